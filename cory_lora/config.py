@@ -1,0 +1,459 @@
+"""Recipes: TOML files, one frozen dataclass per section, every problem reported at once.
+
+A recipe has the sections `model`, `lora`, `data`, `generation`, `reward`, `ppo`, `cory`,
+`train` and `log`. Each field carries its documentation in `metadata["doc"]`; `cory-lora keys`
+prints it and `docs/recipe.md` is generated from it (a test keeps the two equal).
+
+Loading never stops at the first problem: unknown keys (by dotted path), wrong types,
+out-of-range values and inconsistent pairs are all collected and raised as one `ConfigError`.
+`--set section.key=value` overrides are parsed as TOML values (so `--set train.iterations=5` is an
+int); for string fields a bare word is taken as the string itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import string
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cory_lora.errors import ConfigError
+
+
+def _opt(default, doc: str, *, gt=None, ge=None, le=None, lt=None, choices=None, required=False):
+    """A recipe field: its default, its documentation and the range it must lie in."""
+    meta = {"doc": doc, "gt": gt, "ge": ge, "le": le, "lt": lt, "choices": choices}
+    meta["required"] = required
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = _opt(
+        "", "Base causal LM: a Hugging Face hub id or a local directory.", required=True
+    )
+    load_in_4bit: bool = _opt(
+        False, "Load the base in 4-bit NF4 with double quantisation (bitsandbytes)."
+    )
+    dtype: str = _opt(
+        "auto",
+        "Compute dtype (and weight dtype when not 4-bit). `auto`: bfloat16 on a GPU that "
+        "supports it, float32 otherwise.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    device: str = _opt("auto", "`auto` (CUDA when available), `cpu`, `cuda` or `cuda:N`.")
+    trust_remote_code: bool = _opt(
+        False, "Allow the hub repository's own modelling code to run (off: it runs code)."
+    )
+    gradient_checkpointing: bool = _opt(
+        False, "Recompute activations in the backward pass: less memory, ~30% slower updates."
+    )
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int = _opt(16, "LoRA rank of each agent's adapter.", gt=0)
+    alpha: float = _opt(32.0, "LoRA scaling numerator (scale = alpha / r).", gt=0)
+    dropout: float = _opt(
+        0.0,
+        "LoRA dropout, active during PPO updates only (rollouts run in eval mode), so a "
+        "non-zero value makes the first PPO ratio differ from 1.",
+        ge=0,
+        lt=1,
+    )
+    target_modules: tuple[str, ...] = _opt(
+        ("q_proj", "v_proj"),
+        'Module names that get LoRA, e.g. ["q_proj", "v_proj"], or ["all-linear"].',
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = _opt(
+        "",
+        "Prompts: a hub dataset id, or a local .json/.jsonl/.parquet/.csv file or a "
+        "directory of them (or one written by `datasets.save_to_disk`).",
+        required=True,
+    )
+    config_name: str = _opt("", "Hub dataset configuration, e.g. `main` for openai/gsm8k.")
+    split: str = _opt("train", "Split the training prompts come from.")
+    query_column: str = _opt("question", "Column holding the query text.")
+    prompt_template: str = _opt(
+        "{query}",
+        "Pioneer prompt; `{query}` is the query, `{column}` any other dataset column.",
+    )
+    max_prompt_tokens: int = _opt(
+        256,
+        "Longest prompt (pioneer or observer) in tokens; longer ones keep their last tokens "
+        "(the end holds the question and the answer cue) and a warning counts them.",
+        gt=0,
+    )
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = _opt(32, "Most tokens sampled per response.", gt=0)
+    min_new_tokens: int = _opt(0, "EOS and stop strings are blocked before this many.", ge=0)
+    temperature: float = _opt(1.0, "Sampling temperature; 0 means greedy decoding.", ge=0)
+    top_k: int = _opt(0, "Keep the k most likely tokens; 0 keeps all.", ge=0)
+    top_p: float = _opt(1.0, "Nucleus sampling mass; 1.0 keeps all.", gt=0, le=1)
+    repetition_penalty: float = _opt(
+        1.0, "CTRL repetition penalty over prompt and response tokens; 1.0 is off.", gt=0
+    )
+    stop: tuple[str, ...] = _opt(
+        (),
+        "Strings that end a response (besides EOS). The tokens are kept for training; the "
+        "text given to the reward is cut before the stop string.",
+    )
+    batch_size: int = _opt(
+        64, "Prompts per generation micro-batch: bounds the KV-cache memory.", gt=0
+    )
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    function: str = _opt(
+        "",
+        "Task reward: a built-in name (see README) or `module:function` following TRL's "
+        "convention fn(prompts, completions, **columns) -> list[float].",
+        required=True,
+    )
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    learning_rate: float = _opt(1.41e-5, "AdamW learning rate of each agent.", gt=0)
+    batch_size: int = _opt(
+        64, "Queries per iteration (each agent gets one episode per query).", gt=0
+    )
+    minibatch_size: int = _opt(16, "Episodes per optimizer step; must divide batch_size.", gt=0)
+    micro_batch_size: int = _opt(
+        8,
+        "Episodes per forward/backward pass (gradient accumulation up to minibatch_size); "
+        "also the scoring batch. Must divide minibatch_size.",
+        gt=0,
+    )
+    epochs: int = _opt(4, "PPO epochs over each batch.", gt=0)
+    gamma: float = _opt(1.0, "Discount factor.", ge=0, le=1)
+    lam: float = _opt(0.95, "GAE lambda.", ge=0, le=1)
+    clip_range: float = _opt(0.2, "Policy ratio clip epsilon.", gt=0)
+    value_clip_range: float = _opt(0.2, "Value clip around the rollout values.", gt=0)
+    vf_coef: float = _opt(0.1, "Weight of the value loss.", ge=0)
+    max_grad_norm: float = _opt(1.0, "Gradient-norm clip per optimizer step; 0 disables.", ge=0)
+    weight_decay: float = _opt(0.0, "AdamW weight decay.", ge=0)
+    kl_estimator: str = _opt(
+        "k1",
+        "Per-token KL penalty: `k1` (logp - logp_ref), `k3` ((r - 1) - log r, r = p_ref/p) "
+        "or `full` (exact KL over the vocabulary).",
+        choices=("k1", "k3", "full"),
+    )
+    init_kl_coef: float = _opt(0.2, "Initial KL coefficient (beta).", ge=0)
+    adaptive_kl: bool = _opt(
+        True, "Adapt beta towards kl_target (Ziegler et al.); false keeps init_kl_coef."
+    )
+    kl_target: float = _opt(6.0, "Target sequence KL of the adaptive controller.", gt=0)
+    kl_horizon: int = _opt(10000, "Horizon (in episodes) of the adaptive controller.", gt=0)
+    score_scaling: bool = _opt(False, "Divide scores by their running standard deviation.")
+    score_norm: bool = _opt(
+        False, "With score_scaling: also subtract the running mean (full normalisation)."
+    )
+    score_clip: float = _opt(0.0, "Clip scores (after scaling) to [-c, c]; 0 disables.", ge=0)
+    whiten_advantages: bool = _opt(True, "Whiten advantages over each batch.")
+
+
+@dataclass(frozen=True)
+class CoryConfig:
+    swap_every: int = _opt(5, "Exchange roles every this many iterations.", gt=0)
+    self_coef: float = _opt(1.0, "Weight of an agent's own task reward in its score.")
+    other_coef: float = _opt(
+        1.0, "Weight of the other agent's task reward (1 and 1: the paper's collective reward)."
+    )
+    observer_template: str = _opt(
+        "{query}{pioneer}\n{query}",
+        "Observer prompt over `{query}` (the query) and `{pioneer}` (the pioneer's response); "
+        "it then goes through data.prompt_template's formatting rules.",
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    algorithm: str = _opt(
+        "cory", "`cory` (two agents) or `ppo` (llm1 alone: the baseline).", choices=("cory", "ppo")
+    )
+    iterations: int = _opt(100, "Training iterations (one batch of queries each).", gt=0)
+    seed: int = _opt(0, "Seed of data order, sampling and initialisation.", ge=0)
+    output_dir: str = _opt(
+        "", "Run directory; empty: runs/<recipe name>-<date-time>. --output-dir overrides it."
+    )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    samples_per_iteration: int = _opt(4, "Episodes per iteration written to samples.jsonl.", ge=0)
+    eta: float = _opt(
+        0.1, "eta of the reported combined reward: task reward - eta * KL (paper, Fig. 3).", ge=0
+    )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    cory: CoryConfig = field(default_factory=CoryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        """Adapter names this recipe trains."""
+        return ("llm1", "llm2") if self.train.algorithm == "cory" else ("llm1",)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:
+    """Read, override and validate a recipe; raise one ConfigError listing every problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"recipe {str(path)!r}: no such file"])
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError([f"recipe {str(path)!r} is not valid TOML: {e}"]) from None
+    return recipe_from_dict(raw, overrides)
+
+
+def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
+    problems: list[str] = []
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for text in overrides:
+        _apply_override(raw, text, problems)
+    sections = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            problems.append(f"{name}: unknown section (known: {', '.join(SECTIONS)})")
+        elif not isinstance(value, dict):
+            problems.append(f"{name}: expected a [{name}] table, got {_show(value)}")
+    for name, cls in SECTIONS.items():
+        table = raw.get(name, {})
+        sections[name] = _build_section(
+            name, cls, table if isinstance(table, dict) else {}, problems
+        )
+    if problems:
+        raise ConfigError(problems)
+    recipe = Recipe(**sections)
+    problems.extend(_cross_checks(recipe))
+    if problems:
+        raise ConfigError(problems)
+    return recipe
+
+
+def _apply_override(raw: dict, text: str, problems: list[str]) -> None:
+    dotted, sep, value_text = text.partition("=")
+    parts = dotted.strip().split(".")
+    if not sep or len(parts) != 2 or not all(parts):
+        problems.append(f"--set {text!r}: expected section.key=value")
+        return
+    section, key = parts
+    try:
+        value = tomllib.loads(f"v = {value_text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = value_text  # a bare word such as gpt2 or openai/gsm8k
+    cls = SECTIONS.get(section)
+    wants_str = cls is not None and _field_types(cls).get(key) is str
+    if wants_str and not isinstance(value, str):
+        value = value_text.strip()  # e.g. --set data.split=2024 means the string "2024"
+    table = raw.setdefault(section, {})
+    if isinstance(table, dict):
+        table[key] = value
+    else:
+        problems.append(f"--set {text!r}: {section} is not a table in the recipe")
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    return typing.get_type_hints(cls)
+
+
+def _build_section(name: str, cls: type, table: dict, problems: list[str]):
+    types = _field_types(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in table.items():
+        dotted = f"{name}.{key}"
+        if key not in fields:
+            close = [k for k in fields if k.startswith(key[:3])]
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            problems.append(f"{dotted}: unknown key{hint}")
+            continue
+        coerced, problem = _coerce(value, types[key])
+        if problem:
+            problems.append(f"{dotted} = {_show(value)}: {problem}")
+            continue
+        problem = _check_range(coerced, fields[key].metadata)
+        if problem:
+            problems.append(f"{dotted} = {_show(value)}: {problem}")
+            continue
+        values[key] = coerced
+    for key, f in fields.items():
+        if f.metadata.get("required") and not values.get(key, f.default):
+            problems.append(f"{name}.{key}: required ({f.metadata['doc']})")
+    return cls(**values)
+
+
+def _coerce(value, expected):
+    """Return (value, None) when `value` has the expected type (ints widen to float)."""
+    if expected is bool:
+        return (value, None) if isinstance(value, bool) else (None, "expected true or false")
+    if expected is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, None
+        return None, "expected an integer"
+    if expected is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value), None
+        return None, "expected a number"
+    if expected is str:
+        return (value, None) if isinstance(value, str) else (None, "expected a string")
+    if typing.get_origin(expected) is tuple:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return tuple(value), None
+        return None, "expected a list of strings"
+    raise TypeError(f"unsupported recipe field type {expected}")
+
+
+def _check_range(value, meta) -> str | None:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be a finite number"
+    if meta["choices"] is not None and value not in meta["choices"]:
+        return f"must be one of {', '.join(map(str, meta['choices']))}"
+    for bound, ok, word in (
+        ("gt", lambda v, b: v > b, ">"),
+        ("ge", lambda v, b: v >= b, ">="),
+        ("lt", lambda v, b: v < b, "<"),
+        ("le", lambda v, b: v <= b, "<="),
+    ):
+        if meta[bound] is not None and not ok(value, meta[bound]):
+            return f"must be {word} {meta[bound]}"
+    return None
+
+
+def template_fields(template: str) -> set[str] | None:
+    """Names used by a str.format template, or None when the template is malformed."""
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError:
+        return None
+
+
+def _cross_checks(r: Recipe) -> list[str]:
+    problems = []
+    p = r.ppo
+    if p.batch_size % p.minibatch_size:
+        problems.append(
+            f"ppo.minibatch_size = {p.minibatch_size} must divide ppo.batch_size = {p.batch_size}"
+        )
+    if p.minibatch_size % p.micro_batch_size:
+        problems.append(
+            f"ppo.micro_batch_size = {p.micro_batch_size} must divide "
+            f"ppo.minibatch_size = {p.minibatch_size}"
+        )
+    if p.score_norm and not p.score_scaling:
+        problems.append("ppo.score_norm = true needs ppo.score_scaling = true")
+    g = r.generation
+    if g.min_new_tokens > g.max_new_tokens:
+        problems.append(
+            f"generation.min_new_tokens = {g.min_new_tokens} exceeds "
+            f"generation.max_new_tokens = {g.max_new_tokens}"
+        )
+    if any(not s for s in g.stop):
+        problems.append("generation.stop: stop strings must not be empty")
+    if not r.lora.target_modules:
+        problems.append("lora.target_modules: must name at least one module")
+    for key, template, allowed in (
+        ("data.prompt_template", r.data.prompt_template, None),
+        ("cory.observer_template", r.cory.observer_template, {"query", "pioneer"}),
+    ):
+        names = template_fields(template)
+        if names is None:
+            problems.append(f"{key} = {_show(template)}: malformed {{}} placeholders")
+        elif any(not n.isidentifier() for n in names):
+            problems.append(f"{key} = {_show(template)}: placeholders must be plain names")
+        elif allowed and not names <= allowed:
+            unknown = ", ".join(sorted(names - allowed))
+            problems.append(f"{key}: unknown placeholder(s) {unknown} (known: query, pioneer)")
+        elif allowed and "pioneer" not in names and r.train.algorithm == "cory":
+            problems.append(f"{key} must contain {{pioneer}}: the observer reads that answer")
+    if ":" in r.reward.function and r.reward.function.count(":") != 1:
+        problems.append(f"reward.function = {_show(r.reward.function)}: expected module:function")
+    return problems
+
+
+def _show(value) -> str:
+    """A value as the user wrote it in TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def to_dict(recipe: Recipe) -> dict:
+    return {
+        name: {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(section).items()
+        }
+        for name, section in ((f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe))
+    }
+
+
+def to_toml(recipe: Recipe) -> str:
+    """The resolved recipe as TOML that `load_recipe` reads back to an equal Recipe."""
+    lines = []
+    for section, table in to_dict(recipe).items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # shortest round-trip form; finite by validation
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic strings
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(type(value))
+
+
+def describe_keys() -> str:
+    """Markdown documentation of every recipe key, generated from the dataclasses."""
+    out = ["# Recipe keys", "", "Generated by `cory-lora keys` from `cory_lora/config.py`.", ""]
+    for section, cls in SECTIONS.items():
+        out += [f"## [{section}]", "", "| key | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            default = f.default if not isinstance(f.default, tuple) else list(f.default)
+            shown = "(required)" if f.metadata.get("required") else f"`{_toml_value(default)}`"
+            out.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
+        out.append("")
+    return "\n".join(out)

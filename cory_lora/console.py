@@ -1,0 +1,81 @@
+"""What the user sees: a rich progress display (or plain log lines with --quiet) and a summary."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+def agent_line(metrics: dict, names: tuple[str, ...]) -> str:
+    parts = []
+    for name in names:
+        role = metrics.get(f"{name}/role", "")
+        parts.append(
+            f"{name} ({role}) reward {metrics[f'{name}/task_reward']:.3f} kl {metrics[f'{name}/kl']:.3f}"
+        )
+    return " | ".join(parts)
+
+
+class Display:
+    """Progress for a run: iteration, elapsed/ETA, and each agent's last task reward and KL."""
+
+    def __init__(self, console: Console, quiet: bool = False):
+        self.console, self.quiet = console, quiet
+        self._progress: Progress | None = None
+        self._task = None
+        self._start = time.monotonic()
+
+    def message(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+    def start(self, total: int, done: int = 0) -> None:
+        self._start = time.monotonic()
+        if self.quiet:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]iteration"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[agents]}"),
+            console=self.console,
+            transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=total, completed=done, agents="")
+
+    def update(self, metrics: dict, names: tuple[str, ...], total: int) -> None:
+        line = agent_line(metrics, names)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=metrics["iteration"], agents=line)
+        else:
+            elapsed = time.monotonic() - self._start
+            self.console.print(
+                f"iteration {metrics['iteration']}/{total} ({elapsed:.0f}s) {line}", highlight=False
+            )
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def summary(self, history: list[dict], names: tuple[str, ...], run_dir) -> None:
+        """Per agent: task reward over the first and last 10 iterations, final KL and beta."""
+        if not history:
+            return
+        head, tail = history[:10], history[-10:]
+        table = Table(title=f"run summary ({len(history)} iterations)")
+        for column in ("agent", "task reward, first 10", "task reward, last 10", "KL, last 10", "beta"):
+            table.add_column(column, justify="right" if column != "agent" else "left")
+        for name in names:
+            first = sum(m[f"{name}/task_reward"] for m in head) / len(head)
+            last = sum(m[f"{name}/task_reward"] for m in tail) / len(tail)
+            kl = sum(m[f"{name}/kl"] for m in tail) / len(tail)
+            table.add_row(name, f"{first:.3f}", f"{last:.3f}", f"{kl:.3f}", f"{history[-1][f'{name}/kl_coef']:.4f}")
+        self.console.print(table)
+        self.console.print(f"outputs in {run_dir}", highlight=False)

@@ -1,0 +1,133 @@
+"""Prompts: loading a dataset (hub id or local files), formatting and tokenising prompts, and a
+seeded, resumable order over them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cory_lora.config import DataConfig, template_fields
+from cory_lora.errors import UserError
+
+LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Queries and every dataset column (the reward receives the columns as keyword lists)."""
+
+    queries: list[str]
+    columns: dict[str, list]
+
+    def __len__(self) -> int:
+        return len(self.queries)
+
+    def take(self, indices: list[int]) -> PromptSet:
+        return PromptSet(
+            [self.queries[i] for i in indices],
+            {name: [values[i] for i in indices] for name, values in self.columns.items()},
+        )
+
+    def rows(self) -> list[dict]:
+        return [{k: v[i] for k, v in self.columns.items()} for i in range(len(self))]
+
+
+def load_prompts(cfg: DataConfig, split: str | None = None) -> PromptSet:
+    """Load `split` (default data.split) and check the columns the recipe names exist."""
+    split = split or cfg.split
+    dataset = _load_split(cfg, split)
+    columns = dataset.column_names
+    if cfg.query_column not in columns:
+        raise UserError(
+            f"data.query_column = {cfg.query_column!r}: no such column in {cfg.dataset!r} "
+            f"split {split!r} (columns: {', '.join(columns)})"
+        )
+    missing = (template_fields(cfg.prompt_template) or set()) - {"query", *columns}
+    if missing:
+        raise UserError(
+            f"data.prompt_template uses {', '.join(sorted(missing))}, which is not a column "
+            f"of {cfg.dataset!r} (columns: {', '.join(columns)})"
+        )
+    if len(dataset) == 0:
+        raise UserError(f"data.dataset = {cfg.dataset!r}: split {split!r} is empty")
+    table = dataset.to_dict()
+    return PromptSet([str(q) for q in table[cfg.query_column]], table)
+
+
+def _load_split(cfg: DataConfig, split: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(cfg.dataset)
+    key = f"data.dataset = {cfg.dataset!r}"
+    try:
+        if path.is_file():
+            builder = LOCAL_BUILDERS.get(path.suffix)
+            if builder is None:
+                raise UserError(f"{key}: unsupported file type (use {', '.join(LOCAL_BUILDERS)})")
+            # A single file is one split, whatever its name: it is the split asked for.
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if path.is_dir():
+            if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+                loaded = datasets.load_from_disk(str(path))
+                return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+            return datasets.load_dataset(str(path), split=split)
+        return datasets.load_dataset(cfg.dataset, cfg.config_name or None, split=split)
+    except UserError:
+        raise
+    except KeyError:
+        raise UserError(f"{key}: has no split {split!r}") from None
+    except Exception as e:  # datasets raises many types: not found, offline, bad split, bad file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{key} (split {split!r}) could not be loaded: {reason}") from None
+
+
+def format_prompt(template: str, query: str, row: dict) -> str:
+    return template.format_map({**row, "query": query})
+
+
+def encode_prompts(tokenizer, texts: list[str], max_tokens: int) -> tuple[list[list[int]], int]:
+    """Token ids per prompt, and how many were cut. Long prompts keep their *last* tokens (the
+    question's end and the answer cue), after the BOS token when the tokenizer adds one."""
+    encoded = tokenizer(texts).input_ids
+    bos = tokenizer.bos_token_id
+    out, cut = [], 0
+    for ids in encoded:
+        if len(ids) > max_tokens:
+            cut += 1
+            keep_bos = bos is not None and ids[0] == bos
+            ids = [bos, *ids[len(ids) - max_tokens + 1 :]] if keep_bos else ids[-max_tokens:]
+        out.append(ids)
+    return out, cut
+
+
+class PromptOrder:
+    """A seeded shuffle of the prompt indices, reshuffled each pass; its position is its state."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.position = n, seed, 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return torch.randperm(self.n, generator=generator).tolist()
+
+    def next(self, k: int) -> list[int]:
+        picked: list[int] = []
+        while len(picked) < k:
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffle()
+            take = min(k - len(picked), self.n - self.position)
+            picked += self._order[self.position : self.position + take]
+            self.position += take
+        return picked
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._shuffle()

@@ -1,0 +1,274 @@
+"""One base model shared by every agent: LoRA adapters for the agents, no adapter for the reference.
+
+* The base is loaded once (`from_pretrained`; 4-bit NF4 with double quantisation when
+  `model.load_in_4bit`). Its weights are frozen and never copied.
+* Each agent (`llm1`, `llm2`) is a LoRA adapter on that base (PEFT multi-adapter) plus a small
+  float32 value head on the last hidden state. Both adapters start as exact copies (the paper
+  duplicates the LLM), value heads too.
+* The reference model is the same base with adapters disabled (`Agents.reference()`).
+* Which agent is active is chosen in one place: `with agents.use("llm1"):`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cory_lora.config import ModelConfig, Recipe
+from cory_lora.errors import UserError
+from cory_lora.generation import position_ids
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+class Agents:
+    """The shared base model, its LoRA adapters (one per agent) and their value heads."""
+
+    def __init__(self, model, tokenizer, names: tuple[str, ...], value_heads: torch.nn.ModuleDict):
+        self.model = model  # peft.PeftModel holding every adapter
+        self.tokenizer = tokenizer
+        self.names = names
+        self.value_heads = value_heads
+        self._lm_head = model.get_output_embeddings()
+
+    @property
+    def device(self) -> torch.device:
+        return self._lm_head.weight.device
+
+    @contextmanager
+    def use(self, name: str) -> Iterator[None]:
+        """Run the block with agent `name`'s adapter active (and only its LoRA trainable)."""
+        previous = self.model.active_adapter
+        self.model.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(previous)
+
+    @contextmanager
+    def reference(self) -> Iterator[None]:
+        """Run the block as the frozen reference model: the base with every adapter disabled."""
+        with self.model.disable_adapter():
+            yield
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and final hidden states of the last `n_keep` positions.
+
+        input_ids, attention_mask: [B, L] -> (logits [B, n_keep, V], hidden [B, n_keep, H]).
+        Only the kept positions go through the LM head (`logits_to_keep`): for a 32k vocabulary
+        that is most of the activation memory of a scoring pass. The hidden state is taken from
+        the LM head's input, so whatever the model does before its head (final norm) is kept.
+        """
+        captured: list[torch.Tensor] = []
+        hook = self._lm_head.register_forward_pre_hook(lambda _, args: captured.append(args[0]))
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids(attention_mask),
+                use_cache=False,
+                logits_to_keep=n_keep,
+            )
+        finally:
+            hook.remove()
+        return out.logits, captured[-1]
+
+    def values(self, name: str, hidden: torch.Tensor) -> torch.Tensor:
+        """Agent `name`'s value estimates. hidden [B, T, H] -> [B, T] float32."""
+        return self.value_heads[name](hidden.float()).squeeze(-1)
+
+    def trainable_parameters(self, name: str) -> list[torch.nn.Parameter]:
+        """Agent `name`'s own parameters: its LoRA matrices and its value head."""
+        lora = [p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
+        return lora + list(self.value_heads[name].parameters())
+
+    def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
+        """Agent `name`'s LoRA weights and value head, by parameter name (for tests and checks)."""
+        state = {n: p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n}
+        state.update({f"value_head.{k}": v for k, v in self.value_heads[name].state_dict().items()})
+        return state
+
+    def save(self, directory: Path, names: tuple[str, ...] | None = None) -> None:
+        """Write `directory/<name>/`: a PEFT adapter directory plus value_head.safetensors."""
+        names = names or self.names
+        self.model.save_pretrained(str(directory), selected_adapters=list(names))
+        for name in names:
+            head = {k: v.detach().cpu().contiguous() for k, v in self.value_heads[name].state_dict().items()}
+            save_file(head, str(Path(directory) / name / VALUE_HEAD_FILE))
+
+    def load_value_head(self, name: str, path: Path) -> None:
+        self.value_heads[name].load_state_dict(load_file(str(path), device=str(self.device)))
+
+    def parameter_bytes(self) -> int:
+        """Bytes of every distinct tensor storage the agents hold (weights, quantisation state,
+        adapters, value heads), each storage counted once however many modules share it."""
+        seen: dict[int, int] = {}
+        for t in self._tensors():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def base_storages(self) -> set[int]:
+        """Data pointers of the frozen base weights reachable from the model right now."""
+        return {
+            p.untyped_storage().data_ptr()
+            for n, p in self.model.named_parameters()
+            if "lora_" not in n
+        }
+
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        for module in (self.model, self.value_heads):
+            yield from module.parameters()
+            yield from module.buffers()
+        for module in self.model.modules():  # bitsandbytes keeps 4-bit scales beside the weight
+            state = getattr(getattr(module, "weight", None), "quant_state", None)
+            if state is not None:
+                yield from (t for t in vars(state).values() if isinstance(t, torch.Tensor))
+                nested = getattr(state, "state2", None)
+                if nested is not None:
+                    yield from (t for t in vars(nested).values() if isinstance(t, torch.Tensor))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"model.device = {name!r} but no CUDA GPU is visible to torch")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UserError(f"model.device = {name!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if gpu_bf16 else torch.float32
+    return getattr(torch, name)
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            cfg.name_or_path, trust_remote_code=cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise _load_error(cfg, e) from None
+    if tokenizer.pad_token_id is None:
+        # Padding is always masked out; borrowing EOS (or UNK) as the pad id is safe.
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def load_base_model(cfg: ModelConfig):
+    """The base causal LM, loaded once, frozen, dropout off (so rollout and update logprobs match)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from trl.trainer.utils import disable_dropout_in_model
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    quantization = None
+    if cfg.load_in_4bit:
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path,
+            dtype=dtype,
+            quantization_config=quantization,
+            device_map={"": device},
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except (OSError, ValueError) as e:
+        raise _load_error(cfg, e) from None
+    model.requires_grad_(False)
+    disable_dropout_in_model(model)
+    if cfg.load_in_4bit and device.type == "cpu":
+        keep_4bit_differentiable_on_cpu(model)
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing needs no input gradients, so the frozen (possibly 4-bit)
+        # embeddings are not upcast the way peft's prepare_model_for_kbit_training would.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def keep_4bit_differentiable_on_cpu(model) -> None:
+    """Work around a bitsandbytes (0.50) CPU bug that silently breaks training.
+
+    On CPUs with AVX512-BF16, the first forward of a `Linear4bit` in eval mode repacks its weight
+    for a fast inference kernel (`gemv_4bit`) and keeps it repacked; every later forward, in
+    training too, then goes through that kernel, which has no autograd: no gradient flows back
+    through the frozen 4-bit layers, so the LoRA layers below them get wrong gradients (measured
+    here: PPO then collapses instead of learning). Turning the repacking off keeps the ordinary
+    dequantise-and-matmul path, which is differentiable. GPUs are unaffected.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def load_agents(recipe: Recipe, tokenizer=None) -> Agents:
+    """Load the base once and put one LoRA adapter and value head per agent on it."""
+    import peft
+
+    tokenizer = tokenizer or load_tokenizer(recipe.model)
+    base = load_base_model(recipe.model)
+    lora = peft.LoraConfig(
+        r=recipe.lora.r,
+        lora_alpha=recipe.lora.alpha,
+        lora_dropout=recipe.lora.dropout,
+        target_modules=_target_modules(recipe.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    names = recipe.agents
+    torch.manual_seed(recipe.train.seed)
+    try:
+        model = peft.get_peft_model(base, lora, adapter_name=names[0])
+    except ValueError as e:  # e.g. target modules not found in the base model
+        raise UserError(f"lora.target_modules = {list(recipe.lora.target_modules)}: {e}") from None
+    for name in names[1:]:
+        model.add_adapter(name, lora)
+        _copy_adapter(model, names[0], name)
+    model.set_adapter(names[0])
+    hidden = base.config.get_text_config().hidden_size
+    first = torch.nn.Linear(hidden, 1, dtype=torch.float32, device=base.device)
+    heads = torch.nn.ModuleDict({names[0]: first})
+    for name in names[1:]:
+        heads[name] = torch.nn.Linear(hidden, 1, dtype=torch.float32, device=base.device)
+        heads[name].load_state_dict(first.state_dict())
+    return Agents(model, tokenizer, names, heads)
+
+
+def _copy_adapter(model, source: str, target: str) -> None:
+    """Make adapter `target` an exact copy of `source` (the paper duplicates the model)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, p in params.items():
+            if f".{source}." in n and "lora_" in n:
+                params[n.replace(f".{source}.", f".{target}.")].copy_(p)
+
+
+def _target_modules(modules: tuple[str, ...]):
+    return "all-linear" if modules == ("all-linear",) else list(modules)
+
+
+def _load_error(cfg: ModelConfig, error: Exception) -> UserError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    where = (
+        "a local directory"
+        if Path(cfg.name_or_path).exists()
+        else "neither a local directory nor a reachable hub model"
+    )
+    return UserError(f"model.name_or_path = {cfg.name_or_path!r} is {where}: {reason}")

@@ -1,0 +1,188 @@
+"""One agent's side of an iteration: score its episodes (logprobs, values, reference logprobs,
+KL, advantages), then run PPO epochs over them with that agent's own optimizer.
+
+Everything an agent learns with stays with its adapter name (`AgentState`), so a role exchange
+moves nothing: the optimizer moments, KL coefficient and score statistics follow the adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from trl.trainer.utils import entropy_from_logits, selective_log_softmax
+
+from cory_lora import ppo
+from cory_lora.config import PPOConfig
+from cory_lora.generation import Generation
+from cory_lora.model import Agents
+
+
+@dataclass
+class AgentState:
+    """An agent's training state (mutable: it is what training changes)."""
+
+    optimizer: torch.optim.Optimizer
+    kl_ctl: ppo.KLController
+    score_moments: ppo.RunningMoments | None
+
+
+def new_agent_state(agents: Agents, name: str, cfg: PPOConfig) -> AgentState:
+    optimizer = torch.optim.AdamW(
+        agents.trainable_parameters(name), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    )
+    kl_ctl = ppo.KLController(cfg.init_kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
+    return AgentState(optimizer, kl_ctl, ppo.RunningMoments() if cfg.score_scaling else None)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One agent's scored episodes. B episodes, L = prompt + response width, T = response width."""
+
+    input_ids: torch.Tensor  # [B, L] prompt (left-padded) then response (right-padded)
+    attention_mask: torch.Tensor  # [B, L]
+    response_ids: torch.Tensor  # [B, T]
+    mask: torch.Tensor  # [B, T] float, 1 on response tokens
+    logprobs: torch.Tensor  # [B, T] of the sampled tokens under the agent at rollout time
+    ref_logprobs: torch.Tensor  # [B, T] under the reference (adapters disabled)
+    values: torch.Tensor  # [B, T] the agent's value head at rollout time
+    kl: torch.Tensor  # [B, T] per-token KL penalty term (estimator from the recipe)
+    scores: torch.Tensor  # [B] score after scaling/clipping (added on the last token)
+    advantages: torch.Tensor  # [B, T]
+    returns: torch.Tensor  # [B, T]
+
+    @property
+    def sequence_kl(self) -> torch.Tensor:
+        """[B] sum over response tokens of logp - logp_ref (the k1 sequence KL we report)."""
+        return ((self.logprobs - self.ref_logprobs) * self.mask).sum(1)
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    policy_loss: float
+    value_loss: float
+    clipfrac: float
+    approx_kl: float
+    entropy: float
+    grad_norm: float
+
+
+def _logprobs(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [B, T+1, V] (last position unused) -> logprobs of response_ids [B, T] (float32)."""
+    return selective_log_softmax(logits[:, :-1].float(), response_ids, temperature=temperature)
+
+
+@torch.no_grad()
+def score_rollout(
+    agents: Agents,
+    name: str,
+    gen: Generation,
+    raw_scores: torch.Tensor,
+    state: AgentState,
+    cfg: PPOConfig,
+    temperature: float,
+) -> Rollout:
+    """Logprobs, values, reference logprobs and advantages for agent `name`'s episodes.
+
+    raw_scores [B]: the agent's score per episode (its collective reward in CORY).
+    """
+    input_ids = torch.cat([gen.prompt_ids, gen.response_ids], dim=1)
+    attention_mask = torch.cat([gen.prompt_mask, gen.response_mask], dim=1)
+    response_ids, mask = gen.response_ids, gen.response_mask.float()
+    T = response_ids.shape[1]
+    parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
+    for rows in torch.arange(len(input_ids)).split(cfg.micro_batch_size):
+        ids, attn, resp = input_ids[rows], attention_mask[rows], response_ids[rows]
+        with agents.use(name):
+            logits, hidden = agents.forward(ids, attn, T + 1)
+        with agents.reference():
+            ref_logits, _ = agents.forward(ids, attn, T + 1)
+        logprobs = _logprobs(logits, resp, temperature)
+        ref_logprobs = _logprobs(ref_logits, resp, temperature)
+        parts["logprobs"].append(logprobs)
+        parts["ref"].append(ref_logprobs)
+        parts["values"].append(agents.values(name, hidden[:, :-1]))
+        if cfg.kl_estimator == "full":
+            kl = ppo.full_kl(logits[:, :-1] / temperature, ref_logits[:, :-1] / temperature)
+        else:
+            kl = ppo.kl_per_token(logprobs, ref_logprobs, cfg.kl_estimator)
+        parts["kl"].append(kl)
+    logprobs, ref_logprobs, values, kl = (torch.cat(parts[k]) for k in ("logprobs", "ref", "values", "kl"))
+    values = values * mask
+    moments = state.score_moments if cfg.score_scaling else None
+    scores = ppo.normalise_scores(raw_scores.to(mask.device), moments, cfg.score_norm, cfg.score_clip)
+    rewards = ppo.token_rewards(scores, kl, state.kl_ctl.value, mask)
+    advantages, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        advantages = ppo.masked_whiten(advantages, mask)
+    return Rollout(
+        input_ids, attention_mask, response_ids, mask, logprobs * mask, ref_logprobs * mask,
+        values, kl * mask, scores, advantages, returns,
+    )
+
+
+def ppo_update(
+    agents: Agents,
+    name: str,
+    state: AgentState,
+    rollout: Rollout,
+    cfg: PPOConfig,
+    temperature: float,
+    generator: torch.Generator,
+) -> UpdateStats:
+    """cfg.epochs passes over the rollout in shuffled minibatches; one optimizer step each."""
+    params = agents.trainable_parameters(name)
+    T = rollout.response_ids.shape[1]
+    # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
+    keys = ("policy", "value", "clipped", "approx_kl", "entropy", "grad_norm", "tokens")
+    sums = {k: torch.zeros((), device=rollout.mask.device) for k in keys}
+    steps = 0
+    agents.model.train()  # LoRA dropout, if any, acts in updates only; base dropout is off
+    try:
+        with agents.use(name):
+            for _ in range(cfg.epochs):
+                order = torch.randperm(len(rollout.input_ids), generator=generator)
+                for minibatch in order.split(cfg.minibatch_size):
+                    n_tokens = rollout.mask[minibatch].sum().clamp(min=1)
+                    state.optimizer.zero_grad(set_to_none=True)
+                    for rows in minibatch.split(cfg.micro_batch_size):
+                        rows = rows.to(rollout.mask.device)
+                        logits, hidden = agents.forward(
+                            rollout.input_ids[rows], rollout.attention_mask[rows], T + 1
+                        )
+                        mask = rollout.mask[rows]
+                        logprobs = _logprobs(logits, rollout.response_ids[rows], temperature)
+                        values = agents.values(name, hidden[:, :-1])
+                        pg = ppo.policy_loss(
+                            logprobs, rollout.logprobs[rows], rollout.advantages[rows], mask,
+                            cfg.clip_range, n_tokens,
+                        )
+                        vf = ppo.value_loss(
+                            values, rollout.values[rows], rollout.returns[rows], mask,
+                            cfg.value_clip_range, n_tokens,
+                        )
+                        (pg.loss + cfg.vf_coef * vf).backward()
+                        with torch.no_grad():
+                            entropy = entropy_from_logits(logits[:, :-1].float())
+                            sums["entropy"] += (entropy * mask).sum()
+                            sums["policy"] += pg.loss.detach()
+                            sums["value"] += vf.detach()
+                            sums["clipped"] += pg.clipped_tokens
+                            sums["approx_kl"] += pg.approx_kl_sum
+                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                    sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, max_norm)
+                    sums["tokens"] += n_tokens
+                    state.optimizer.step()
+                    steps += 1
+    finally:
+        agents.model.eval()
+        state.optimizer.zero_grad(set_to_none=True)  # frees gradient memory before generation
+    totals = {k: float(v) for k, v in sums.items()}
+    return UpdateStats(
+        policy_loss=totals["policy"] / steps,
+        value_loss=totals["value"] / steps,
+        clipfrac=totals["clipped"] / totals["tokens"],
+        approx_kl=totals["approx_kl"] / totals["tokens"],
+        entropy=totals["entropy"] / totals["tokens"],
+        grad_norm=totals["grad_norm"] / steps,
+    )
