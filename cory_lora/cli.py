@@ -32,7 +32,9 @@ error_console = Console(stderr=True)
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
 SetOpt = Annotated[
     list[str] | None,
-    typer.Option("--set", help="Override a recipe key: section.key=value (TOML value). Repeatable."),
+    typer.Option(
+        "--set", help="Override a recipe key: section.key=value (TOML value). Repeatable."
+    ),
 ]
 
 
@@ -42,7 +44,7 @@ def user_errors():
     try:
         yield
     except UserError as e:
-        error_console.print(f"[bold red]error:[/] {e}", highlight=False)
+        error_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
 
 
@@ -63,10 +65,15 @@ def run(
     recipe: RecipeArg,
     set_: SetOpt = None,
     output_dir: Annotated[
-        Path | None, typer.Option(help="Run directory (default: train.output_dir or runs/<recipe>-<time>).")
+        Path | None,
+        typer.Option(help="Run directory (default: train.output_dir or runs/<recipe>-<time>)."),
     ] = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing run in the output directory.")] = False,
-    quiet: Annotated[bool, typer.Option(help="Plain log lines instead of the progress display.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace an existing run in the output directory.")
+    ] = False,
+    quiet: Annotated[
+        bool, typer.Option(help="Plain log lines instead of the progress display.")
+    ] = False,
 ) -> None:
     """Train with a recipe."""
     from cory_lora.console import Display
@@ -98,7 +105,7 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
 @app.command()
 def keys() -> None:
     """Print every recipe key with its default and meaning (Markdown)."""
-    console.print(describe_keys(), highlight=False, markup=False, soft_wrap=True)
+    typer.echo(describe_keys())
 
 
 def main() -> None:

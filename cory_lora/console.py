@@ -5,7 +5,14 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 
@@ -13,9 +20,8 @@ def agent_line(metrics: dict, names: tuple[str, ...]) -> str:
     parts = []
     for name in names:
         role = metrics.get(f"{name}/role", "")
-        parts.append(
-            f"{name} ({role}) reward {metrics[f'{name}/task_reward']:.3f} kl {metrics[f'{name}/kl']:.3f}"
-        )
+        reward, kl = metrics[f"{name}/task_reward"], metrics[f"{name}/kl"]
+        parts.append(f"{name} ({role}) reward {reward:.3f} kl {kl:.3f}")
     return " | ".join(parts)
 
 
@@ -56,7 +62,9 @@ class Display:
         else:
             elapsed = time.monotonic() - self._start
             self.console.print(
-                f"iteration {metrics['iteration']}/{total} ({elapsed:.0f}s) {line}", highlight=False
+                f"iteration {metrics['iteration']}/{total} ({elapsed:.0f}s) {line}",
+                highlight=False,
+                soft_wrap=True,
             )
 
     def stop(self) -> None:
@@ -70,12 +78,24 @@ class Display:
             return
         head, tail = history[:10], history[-10:]
         table = Table(title=f"run summary ({len(history)} iterations)")
-        for column in ("agent", "task reward, first 10", "task reward, last 10", "KL, last 10", "beta"):
+        for column in (
+            "agent",
+            "task reward, first 10",
+            "task reward, last 10",
+            "KL, last 10",
+            "beta",
+        ):
             table.add_column(column, justify="right" if column != "agent" else "left")
         for name in names:
             first = sum(m[f"{name}/task_reward"] for m in head) / len(head)
             last = sum(m[f"{name}/task_reward"] for m in tail) / len(tail)
             kl = sum(m[f"{name}/kl"] for m in tail) / len(tail)
-            table.add_row(name, f"{first:.3f}", f"{last:.3f}", f"{kl:.3f}", f"{history[-1][f'{name}/kl_coef']:.4f}")
+            table.add_row(
+                name,
+                f"{first:.3f}",
+                f"{last:.3f}",
+                f"{kl:.3f}",
+                f"{history[-1][f'{name}/kl_coef']:.4f}",
+            )
         self.console.print(table)
         self.console.print(f"outputs in {run_dir}", highlight=False)

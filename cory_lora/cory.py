@@ -92,15 +92,18 @@ def play_episode(
     generator: torch.Generator,
 ) -> Episode:
     """Pioneer answers, observer answers after reading it, both answers are scored."""
-    data, tokenizer = recipe.data, agents.tokenizer
+    data = recipe.data
     rows = prompts.rows()
     pioneer_prompts = [
-        format_prompt(data.prompt_template, q, row) for q, row in zip(prompts.queries, rows, strict=True)
+        format_prompt(data.prompt_template, q, row)
+        for q, row in zip(prompts.queries, rows, strict=True)
     ]
     pioneer, cut = _answer(agents, roles.pioneer, pioneer_prompts, recipe, stopping, generator)
     pioneer_rewards = reward(pioneer_prompts, pioneer.texts, prompts.columns)
     if roles.observer is None:
-        return Episode(roles, prompts, pioneer_prompts, pioneer, pioneer_rewards, None, None, None, cut)
+        return Episode(
+            roles, prompts, pioneer_prompts, pioneer, pioneer_rewards, None, None, None, cut
+        )
     observer_prompts = [
         format_prompt(
             data.prompt_template, recipe.cory.observer_template.format(query=q, pioneer=answer), row
@@ -110,12 +113,21 @@ def play_episode(
     observer, cut_o = _answer(agents, roles.observer, observer_prompts, recipe, stopping, generator)
     observer_rewards = reward(pioneer_prompts, observer.texts, prompts.columns)
     return Episode(
-        roles, prompts, pioneer_prompts, pioneer, pioneer_rewards,
-        observer_prompts, observer, observer_rewards, cut + cut_o,
+        roles,
+        prompts,
+        pioneer_prompts,
+        pioneer,
+        pioneer_rewards,
+        observer_prompts,
+        observer,
+        observer_rewards,
+        cut + cut_o,
     )
 
 
 def _answer(agents, name, texts, recipe, stopping, generator) -> tuple[Generation, int]:
     ids, cut = encode_prompts(agents.tokenizer, texts, recipe.data.max_prompt_tokens)
     with agents.use(name):
-        return generate(agents.model, agents.tokenizer, ids, recipe.generation, stopping, generator), cut
+        return generate(
+            agents.model, agents.tokenizer, ids, recipe.generation, stopping, generator
+        ), cut

@@ -28,7 +28,7 @@ from cory_lora.config import GenerationConfig
 
 @dataclass(frozen=True)
 class Generation:
-    """A batch of prompts and their sampled responses. B = rows, P = prompt width, R = response width."""
+    """Prompts and their sampled responses. B = rows, P = prompt width, R = response width."""
 
     prompt_ids: torch.Tensor  # [B, P] long, left-padded with pad_id
     prompt_mask: torch.Tensor  # [B, P] long, 1 on real prompt tokens

@@ -90,7 +90,9 @@ class Agents:
 
     def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
         """Agent `name`'s LoRA weights and value head, by parameter name (for tests and checks)."""
-        state = {n: p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n}
+        state = {
+            n: p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n
+        }
         state.update({f"value_head.{k}": v for k, v in self.value_heads[name].state_dict().items()})
         return state
 
@@ -99,7 +101,10 @@ class Agents:
         names = names or self.names
         self.model.save_pretrained(str(directory), selected_adapters=list(names))
         for name in names:
-            head = {k: v.detach().cpu().contiguous() for k, v in self.value_heads[name].state_dict().items()}
+            head = {
+                k: v.detach().cpu().contiguous()
+                for k, v in self.value_heads[name].state_dict().items()
+            }
             save_file(head, str(Path(directory) / name / VALUE_HEAD_FILE))
 
     def load_value_head(self, name: str, path: Path) -> None:
@@ -143,7 +148,9 @@ def resolve_device(name: str) -> torch.device:
     try:
         return torch.device(name)
     except RuntimeError:
-        raise UserError(f"model.device = {name!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+        raise UserError(
+            f"model.device = {name!r} is not a device (auto, cpu, cuda, cuda:N)"
+        ) from None
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -153,9 +160,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def looks_like_a_path(name: str) -> bool:
+    """True when `name` can only be a local path (a hub id is `name` or `org/name`)."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name
+
+
+def check_model_path(cfg: ModelConfig) -> None:
+    """Fail at once on a local path that does not exist, rather than asking the hub about it."""
+    path = Path(cfg.name_or_path).expanduser()
+    if looks_like_a_path(cfg.name_or_path) and not path.is_dir():
+        raise UserError(f"model.name_or_path = {cfg.name_or_path!r}: no such local directory")
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
+    check_model_path(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             cfg.name_or_path, trust_remote_code=cfg.trust_remote_code
@@ -169,7 +189,7 @@ def load_tokenizer(cfg: ModelConfig):
 
 
 def load_base_model(cfg: ModelConfig):
-    """The base causal LM, loaded once, frozen, dropout off (so rollout and update logprobs match)."""
+    """The base causal LM: loaded once, frozen, dropout off (rollout and update logprobs match)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     from trl.trainer.utils import disable_dropout_in_model
 
@@ -266,9 +286,9 @@ def _target_modules(modules: tuple[str, ...]):
 
 def _load_error(cfg: ModelConfig, error: Exception) -> UserError:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    where = (
-        "a local directory"
-        if Path(cfg.name_or_path).exists()
-        else "neither a local directory nor a reachable hub model"
+    if Path(cfg.name_or_path).is_dir():
+        return UserError(f"model.name_or_path = {cfg.name_or_path!r}: cannot load it: {reason}")
+    return UserError(
+        f"model.name_or_path = {cfg.name_or_path!r} is not a local directory and could not be "
+        f"loaded from the Hugging Face hub (wrong id, no network, or a gated model?): {reason}"
     )
-    return UserError(f"model.name_or_path = {cfg.name_or_path!r} is {where}: {reason}")

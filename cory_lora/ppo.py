@@ -50,7 +50,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 # --------------------------------------------------------------------------- KL and rewards
 
 
-def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_per_token(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str
+) -> torch.Tensor:
     """Per-token KL estimate from the sampled tokens' logprobs. [B, T] -> [B, T].
 
     k1 = log p - log p_ref (unbiased, can be negative);

@@ -25,7 +25,14 @@ from cory_lora.generation import Stopping
 from cory_lora.model import Agents, load_agents, load_tokenizer
 from cory_lora.outputs import RunDir
 from cory_lora.rewards import load_reward
-from cory_lora.update import AgentState, Rollout, UpdateStats, new_agent_state, ppo_update, score_rollout
+from cory_lora.update import (
+    AgentState,
+    Rollout,
+    UpdateStats,
+    new_agent_state,
+    ppo_update,
+    score_rollout,
+)
 
 
 def run(recipe: Recipe, run_dir: RunDir, display: Display) -> list[dict]:
@@ -63,15 +70,26 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display) -> list[dict]:
             scores = episode.scores(recipe.cory.self_coef, recipe.cory.other_coef)
             rollouts = {
                 name: score_rollout(
-                    agents, name, episode.generation_of(name), scores[name], states[name],
-                    recipe.ppo, temperature,
+                    agents,
+                    name,
+                    episode.generation_of(name),
+                    scores[name],
+                    states[name],
+                    recipe.ppo,
+                    temperature,
                 )
                 for name in names
             }
             # 4. Independent PPO updates, each agent with its own optimizer and value head.
             stats = {
                 name: ppo_update(
-                    agents, name, states[name], rollouts[name], recipe.ppo, temperature, minibatch_rng
+                    agents,
+                    name,
+                    states[name],
+                    rollouts[name],
+                    recipe.ppo,
+                    temperature,
+                    minibatch_rng,
                 )
                 for name in names
             }
@@ -82,7 +100,9 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display) -> list[dict]:
             metrics["time/generation_s"] = generated - started
             metrics["time/iteration_s"] = time.perf_counter() - started
             run_dir.append("metrics.jsonl", [metrics])
-            run_dir.append("samples.jsonl", samples(iteration, episode, recipe.log.samples_per_iteration))
+            run_dir.append(
+                "samples.jsonl", samples(iteration, episode, recipe.log.samples_per_iteration)
+            )
             history.append(metrics)
             display.update(metrics, names, recipe.train.iterations)
         display.stop()

@@ -107,17 +107,30 @@ def score_rollout(
         else:
             kl = ppo.kl_per_token(logprobs, ref_logprobs, cfg.kl_estimator)
         parts["kl"].append(kl)
-    logprobs, ref_logprobs, values, kl = (torch.cat(parts[k]) for k in ("logprobs", "ref", "values", "kl"))
+    logprobs, ref_logprobs, values, kl = (
+        torch.cat(parts[k]) for k in ("logprobs", "ref", "values", "kl")
+    )
     values = values * mask
     moments = state.score_moments if cfg.score_scaling else None
-    scores = ppo.normalise_scores(raw_scores.to(mask.device), moments, cfg.score_norm, cfg.score_clip)
+    scores = ppo.normalise_scores(
+        raw_scores.to(mask.device), moments, cfg.score_norm, cfg.score_clip
+    )
     rewards = ppo.token_rewards(scores, kl, state.kl_ctl.value, mask)
     advantages, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
         advantages = ppo.masked_whiten(advantages, mask)
     return Rollout(
-        input_ids, attention_mask, response_ids, mask, logprobs * mask, ref_logprobs * mask,
-        values, kl * mask, scores, advantages, returns,
+        input_ids,
+        attention_mask,
+        response_ids,
+        mask,
+        logprobs * mask,
+        ref_logprobs * mask,
+        values,
+        kl * mask,
+        scores,
+        advantages,
+        returns,
     )
 
 
@@ -154,12 +167,20 @@ def ppo_update(
                         logprobs = _logprobs(logits, rollout.response_ids[rows], temperature)
                         values = agents.values(name, hidden[:, :-1])
                         pg = ppo.policy_loss(
-                            logprobs, rollout.logprobs[rows], rollout.advantages[rows], mask,
-                            cfg.clip_range, n_tokens,
+                            logprobs,
+                            rollout.logprobs[rows],
+                            rollout.advantages[rows],
+                            mask,
+                            cfg.clip_range,
+                            n_tokens,
                         )
                         vf = ppo.value_loss(
-                            values, rollout.values[rows], rollout.returns[rows], mask,
-                            cfg.value_clip_range, n_tokens,
+                            values,
+                            rollout.values[rows],
+                            rollout.returns[rows],
+                            mask,
+                            cfg.value_clip_range,
+                            n_tokens,
                         )
                         (pg.loss + cfg.vf_coef * vf).backward()
                         with torch.no_grad():

@@ -60,10 +60,14 @@ def accuracy(model, tokenizer, rng: random.Random, greedy: bool, n: int = 300) -
         a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
         ids = tokenizer(f"{a}+{b}=", return_tensors="pt").input_ids
         out = model.generate(
-            ids, max_new_tokens=4, do_sample=not greedy, top_k=0, pad_token_id=0,
+            ids,
+            max_new_tokens=4,
+            do_sample=not greedy,
+            top_k=0,
+            pad_token_id=0,
             eos_token_id=tokenizer.convert_tokens_to_ids(";"),
         )
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         correct += text.split(";")[0] == str(a + b)
     return correct / n
 

@@ -53,7 +53,9 @@ class Reward:
                 "Add **kwargs to accept dataset columns it does not use."
             ) from None
 
-    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> torch.Tensor:
+    def __call__(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list]
+    ) -> torch.Tensor:
         """Score completions; returns float32 [B]. Raises RewardError naming the bad sample."""
         try:
             with torch.no_grad():
@@ -70,7 +72,8 @@ class Reward:
             ) from None
         if len(values) != len(completions):
             raise RewardError(
-                f"reward {self.name!r} returned {len(values)} values for {len(completions)} completions"
+                f"reward {self.name!r} returned {len(values)} values "
+                f"for {len(completions)} completions"
             )
         scores = []
         for i, v in enumerate(values):
@@ -83,7 +86,8 @@ class Reward:
                 ) from None
             if not math.isfinite(x):
                 raise RewardError(
-                    f"reward {self.name!r} returned {x} for sample {i} (completion {completions[i]!r})"
+                    f"reward {self.name!r} returned {x} for sample {i} "
+                    f"(completion {completions[i]!r})"
                 )
             scores.append(x)
         return torch.tensor(scores, dtype=torch.float32)
@@ -106,5 +110,7 @@ def load_reward(spec: str) -> Reward:
         raise UserError(f"reward.function = {spec!r}: cannot import {module_name!r}: {e}") from None
     fn = getattr(module, function_name, None)
     if not callable(fn):
-        raise UserError(f"reward.function = {spec!r}: {module_name} has no function {function_name!r}")
+        raise UserError(
+            f"reward.function = {spec!r}: {module_name} has no function {function_name!r}"
+        )
     return Reward(spec, fn)

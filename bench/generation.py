@@ -1,0 +1,137 @@
+"""Our batched sampler vs `transformers` `generate`, same model, prompts and settings, side by side.
+
+    python bench/generation.py                                   # the demo model, on CPU
+    python bench/generation.py --model meta-llama/Llama-2-7b-chat-hf --4bit --device cuda \
+        --batch 16 --max-new-tokens 256
+
+Two workloads: `fixed` (no stopping: every row runs max_new_tokens, so only per-step overhead
+differs) and `ragged` (rows stop at a stop string at different steps, as in RL rollouts: our
+sampler drops finished rows from the batch, `generate` keeps computing them). Prints tokens/s of
+each (sampled tokens that count, i.e. up to each row's stop) and the ratio ours / generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from cory_lora.config import GenerationConfig
+from cory_lora.generation import Stopping, generate
+from cory_lora.model import resolve_device
+
+
+def load(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from cory_lora.model import keep_4bit_differentiable_on_cpu
+
+    device = resolve_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    quant = None
+    if args.four_bit:
+        quant = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=dtype, quantization_config=quant, device_map={"": device}
+    ).eval()
+    if args.four_bit and device.type == "cpu":
+        keep_4bit_differentiable_on_cpu(model)  # the training configuration, as in a real run
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, device
+
+
+def prompts_for(tokenizer, n: int) -> list[str]:
+    return [f"{(7 * i) % 50}+{(13 * i) % 50}=" for i in range(n)]
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ours(model, tokenizer, texts, cfg, stopping, device) -> tuple[float, int]:
+    ids = [tokenizer(t).input_ids for t in texts]
+    sync(device)
+    start = time.perf_counter()
+    out = generate(model, tokenizer, ids, cfg, stopping, torch.Generator(device).manual_seed(0))
+    sync(device)
+    return time.perf_counter() - start, int(out.response_mask.sum())
+
+
+def time_generate(model, tokenizer, texts, cfg, stop_strings, device) -> tuple[float, int]:
+    tokenizer.padding_side = "left"
+    batch = tokenizer(texts, return_tensors="pt", padding=True).to(device)
+    kwargs = {"stop_strings": list(stop_strings), "tokenizer": tokenizer} if stop_strings else {}
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate(
+        **batch,
+        do_sample=True,
+        temperature=cfg.temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        **kwargs,
+    )
+    sync(device)
+    elapsed = time.perf_counter() - start
+    new = out[:, batch.input_ids.shape[1] :]
+    # count each row's tokens up to its end (generate pads finished rows with pad_token_id)
+    return elapsed, int((new != tokenizer.pad_token_id).sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="assets/tiny-arith")
+    parser.add_argument("--4bit", dest="four_bit", action="store_true")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer, device = load(args)
+    texts = prompts_for(tokenizer, args.batch)
+    print(
+        f"model {args.model} ({'4-bit' if args.four_bit else 'full precision'}) on {device}, "
+        f"batch {args.batch}, max_new_tokens {args.max_new_tokens}, {args.repeats} repeats (median)"
+    )
+    print(f"{'workload':10s} {'ours tok/s':>12s} {'generate tok/s':>15s} {'ratio':>7s}")
+    for workload, stops in (("fixed", ()), ("ragged", (";",))):
+        cfg = GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            temperature=1.0,
+            stop=stops,
+            batch_size=args.batch,
+            min_new_tokens=0 if stops else args.max_new_tokens,
+        )
+        stopping = Stopping((tokenizer.eos_token_id,), stops)
+        with torch.no_grad():
+            time_ours(model, tokenizer, texts[:4], cfg, stopping, device)  # warm-up
+            time_generate(model, tokenizer, texts[:4], cfg, stops, device)
+            ours = [
+                time_ours(model, tokenizer, texts, cfg, stopping, device)
+                for _ in range(args.repeats)
+            ]
+            theirs = [
+                time_generate(model, tokenizer, texts, cfg, stops, device)
+                for _ in range(args.repeats)
+            ]
+        ours_tps = statistics.median(n / t for t, n in ours)
+        theirs_tps = statistics.median(n / t for t, n in theirs)
+        print(f"{workload:10s} {ours_tps:12.0f} {theirs_tps:15.0f} {ours_tps / theirs_tps:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Fixtures: tiny random models and small datasets built offline, and recipes pointing at them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from cory_lora.config import recipe_from_dict
+from cory_lora.tiny import char_tokenizer, tiny_llama_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random 2-layer Llama (hidden 64) with the character tokenizer, saved like a hub model."""
+    from transformers import LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(1234)
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def arith_file(tmp_path_factory) -> Path:
+    """Addition problems in the question/answer schema."""
+    path = tmp_path_factory.mktemp("data") / "arith.jsonl"
+    with open(path, "w") as f:
+        for a in range(12):
+            for b in range(6):
+                f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    return path
+
+
+def tiny_recipe_dict(model_dir: Path, data_file: Path, **sections) -> dict:
+    """A small, fast recipe over the fixtures; keyword sections update the defaults."""
+    raw = {
+        "model": {"name_or_path": str(model_dir), "dtype": "float32", "device": "cpu"},
+        "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "data": {"dataset": str(data_file), "max_prompt_tokens": 24},
+        "generation": {"max_new_tokens": 4, "stop": [";"], "batch_size": 8},
+        "reward": {"function": "exact_match"},
+        "ppo": {
+            "batch_size": 8,
+            "minibatch_size": 4,
+            "micro_batch_size": 2,
+            "epochs": 1,
+            "learning_rate": 1e-3,
+        },
+        "cory": {"swap_every": 1, "observer_template": "{query}{pioneer};{query}"},
+        "train": {"iterations": 2, "seed": 0},
+        "log": {"samples_per_iteration": 2},
+    }
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+@pytest.fixture
+def tiny_recipe(tiny_model_dir, arith_file):
+    def make(**sections):
+        return recipe_from_dict(tiny_recipe_dict(tiny_model_dir, arith_file, **sections))
+
+    return make
+
+
+def write_recipe(path: Path, raw: dict) -> Path:
+    from cory_lora.config import _toml_value
+
+    lines = []
+    for section, table in raw.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,148 @@
+"""End to end on CPU through the CLI: outputs, metrics, refusal to overwrite, clean user errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cory_lora.cli import app
+from cory_lora.config import load_recipe
+
+from .conftest import tiny_recipe_dict, write_recipe
+
+DESIGN_KEYS = (
+    "role",
+    "task_reward",
+    "kl",
+    "combined_reward",
+    "kl_coef",
+    "policy_loss",
+    "value_loss",
+    "response_length",
+)
+
+
+def run_cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture
+def recipe_file(tmp_path, tiny_model_dir, arith_file):
+    def make(**sections):
+        return write_recipe(
+            tmp_path / "recipe.toml", tiny_recipe_dict(tiny_model_dir, arith_file, **sections)
+        )
+
+    return make
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cory_run_writes_the_run_directory(tmp_path, recipe_file):
+    recipe = recipe_file(
+        model={"load_in_4bit": True, "gradient_checkpointing": True}, train={"iterations": 3}
+    )
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cory_lora.cli",
+            "run",
+            str(recipe),
+            "--output-dir",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert load_recipe(out / "config.toml") == load_recipe(recipe)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        for agent in ("llm1", "llm2"):
+            for key in DESIGN_KEYS:
+                assert f"{agent}/{key}" in m
+        assert "time/iteration_s" in m
+    # swap_every = 1: roles alternate every iteration
+    assert [m["llm1/role"] for m in metrics] == ["pioneer", "observer", "pioneer"]
+    assert [m["llm2/role"] for m in metrics] == ["observer", "pioneer", "observer"]
+    samples = read_jsonl(out / "samples.jsonl")
+    assert (
+        len(samples) == 3 * 2
+        and {"query", "pioneer", "observer", "pioneer_reward"} <= samples[0].keys()
+    )
+    for agent in ("llm1", "llm2"):
+        adapter = out / "final" / agent
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == load_recipe(recipe).model.name_or_path
+        assert (adapter / "value_head.safetensors").exists()
+        assert (adapter / "adapter_model.safetensors").exists()
+    assert "task reward, last 10" in result.stdout  # the summary table
+    assert "Traceback" not in result.stderr
+
+
+def test_existing_run_is_not_overwritten_unless_asked(tmp_path, recipe_file):
+    recipe = recipe_file(train={"algorithm": "ppo", "iterations": 1})
+    out = tmp_path / "run"
+    assert run_cli("run", recipe, "--output-dir", out, "--quiet").exit_code == 0
+    before = (out / "metrics.jsonl").read_text()
+    again = run_cli("run", recipe, "--output-dir", out, "--quiet")
+    assert again.exit_code == 1
+    assert "not empty" in again.output and "--overwrite" in again.output
+    assert (out / "metrics.jsonl").read_text() == before
+    assert run_cli("run", recipe, "--output-dir", out, "--quiet", "--overwrite").exit_code == 0
+
+
+def test_single_agent_ppo_trains_llm1_only(tmp_path, recipe_file):
+    recipe = recipe_file(train={"algorithm": "ppo", "iterations": 2})
+    out = tmp_path / "run"
+    assert run_cli("run", recipe, "--output-dir", out, "--quiet").exit_code == 0
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(not any(k.startswith("llm2/") for k in m) for m in metrics)
+    assert all(m["llm1/role"] == "pioneer" for m in metrics)
+    assert sorted(p.name for p in (out / "final").iterdir() if p.is_dir()) == ["llm1"]
+    assert "observer" not in read_jsonl(out / "samples.jsonl")[0]
+
+
+@pytest.mark.parametrize(
+    "sections, message",
+    [
+        (
+            {"model": {"name_or_path": "./no/such-model"}},
+            "'./no/such-model': no such local directory",
+        ),
+        ({"data": {"query_column": "prompt"}}, "data.query_column = 'prompt': no such column"),
+        ({"reward": {"function": "nowhere:fn"}}, "cannot import 'nowhere'"),
+        ({"data": {"max_prompt_tokens": 254}}, "exceeds the model's context of 256"),
+        ({"lora": {"target_modules": ["nope_proj"]}}, "lora.target_modules"),
+    ],
+)
+def test_user_errors_exit_cleanly_and_write_nothing(tmp_path, recipe_file, sections, message):
+    recipe = recipe_file(**sections)
+    out = tmp_path / "run"
+    result = run_cli("run", recipe, "--output-dir", out, "--quiet")
+    assert result.exit_code != 0
+    assert message in result.output
+    assert not out.exists()
+
+
+def test_a_reward_that_returns_nan_stops_the_run_with_its_name(tmp_path, recipe_file, monkeypatch):
+    (tmp_path / "nan_reward.py").write_text(
+        "def bad(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    recipe = recipe_file(reward={"function": "nan_reward:bad"})
+    out = tmp_path / "run"
+    result = run_cli("run", recipe, "--output-dir", out, "--quiet")
+    assert result.exit_code == 1
+    assert "reward 'nan_reward:bad' returned nan for sample 0" in result.output
+    assert not out.exists()
