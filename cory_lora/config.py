@@ -28,6 +28,8 @@ def _opt(default, doc: str, *, gt=None, ge=None, le=None, lt=None, choices=None,
     """A recipe field: its default, its documentation and the range it must lie in."""
     meta = {"doc": doc, "gt": gt, "ge": ge, "le": le, "lt": lt, "choices": choices}
     meta["required"] = required
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -82,9 +84,40 @@ class DataConfig:
     config_name: str = _opt("", "Hub dataset configuration, e.g. `main` for openai/gsm8k.")
     split: str = _opt("train", "Split the training prompts come from.")
     query_column: str = _opt("question", "Column holding the query text.")
+    rename_columns: dict[str, str] = _opt(
+        {},
+        'Rename dataset columns before use, e.g. { solution = "answer" } (rewards receive '
+        "columns by name).",
+    )
     prompt_template: str = _opt(
         "{query}",
         "Pioneer prompt; `{query}` is the query, `{column}` any other dataset column.",
+    )
+    chat_template: bool = _opt(
+        False,
+        "Wrap each prompt (pioneer and observer) as a user message with the tokenizer's chat "
+        "template (`apply_chat_template`, generation prompt added).",
+    )
+    system_prompt: str = _opt("", "System message for chat_template prompts; empty: none.")
+    min_query_chars: int = _opt(
+        0, "Drop rows whose query has this many characters or fewer (IMDB: 100).", ge=0
+    )
+    query_min_tokens: int = _opt(
+        0,
+        "With query_max_tokens: the query becomes the first n tokens of the query column, n drawn "
+        "per row from [query_min_tokens, query_max_tokens) with the run seed (the paper's IMDB "
+        "queries: 2 and 8, as TRL's LengthSampler). 0: the whole column.",
+        ge=0,
+    )
+    query_max_tokens: int = _opt(0, "See query_min_tokens.", ge=0)
+    eval_split: str = _opt(
+        "", "Held-out split for `cory-lora eval` (e.g. `test`); empty: use eval_holdout."
+    )
+    eval_holdout: int = _opt(
+        0,
+        "Without eval_split: hold this many rows of the training split out of training (a seeded "
+        "choice) and evaluate on them.",
+        ge=0,
     )
     max_prompt_tokens: int = _opt(
         256,
@@ -122,6 +155,12 @@ class RewardConfig:
         "convention fn(prompts, completions, **columns) -> list[float].",
         required=True,
     )
+    model: str = _opt(
+        "",
+        "Model a reward loads, given to rewards with a `model_name` parameter (sentiment_reward; "
+        "empty: its default, lvwerra/distilbert-imdb).",
+    )
+    batch_size: int = _opt(64, "Batch size for rewards with a `batch_size` parameter.", gt=0)
 
 
 @dataclass(frozen=True)
@@ -326,6 +365,10 @@ def _coerce(value, expected):
         return None, "expected a number"
     if expected is str:
         return (value, None) if isinstance(value, str) else (None, "expected a string")
+    if typing.get_origin(expected) is dict:
+        if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+            return dict(value), None
+        return None, 'expected a table of strings, e.g. { old = "new" }'
     if typing.get_origin(expected) is tuple:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return tuple(value), None
@@ -377,6 +420,16 @@ def _cross_checks(r: Recipe) -> list[str]:
             f"generation.min_new_tokens = {g.min_new_tokens} exceeds "
             f"generation.max_new_tokens = {g.max_new_tokens}"
         )
+    d = r.data
+    if (
+        d.query_min_tokens or d.query_max_tokens
+    ) and not 0 < d.query_min_tokens < d.query_max_tokens:
+        problems.append(
+            f"data.query_min_tokens = {d.query_min_tokens} and data.query_max_tokens = "
+            f"{d.query_max_tokens}: need 0 < min < max (max is exclusive)"
+        )
+    if d.eval_split and d.eval_holdout:
+        problems.append("data.eval_split and data.eval_holdout: set one, not both")
     if any(not s for s in g.stop):
         problems.append("generation.stop: stop strings must not be empty")
     if not r.lora.target_modules:
@@ -443,6 +496,9 @@ def _toml_value(value) -> str:
         return json.dumps(value)  # JSON string escapes are valid TOML basic strings
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
     raise TypeError(type(value))
 
 
@@ -452,7 +508,8 @@ def describe_keys() -> str:
     for section, cls in SECTIONS.items():
         out += [f"## [{section}]", "", "| key | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
-            default = f.default if not isinstance(f.default, tuple) else list(f.default)
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = list(default) if isinstance(default, tuple) else default
             shown = "(required)" if f.metadata.get("required") else f"`{_toml_value(default)}`"
             out.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
         out.append("")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from cory_lora.config import Recipe
-from cory_lora.data import PromptSet, encode_prompts, format_prompt
+from cory_lora.data import PromptSet, encode_prompts, format_prompt, render
 from cory_lora.generation import Generation, Stopping, generate
 from cory_lora.model import Agents
 from cory_lora.rewards import Reward
@@ -57,7 +57,7 @@ class Episode:
 
     roles: Roles
     prompts: PromptSet  # the queries and their dataset columns
-    pioneer_prompts: list[str]  # B prompt texts
+    pioneer_prompts: list[str]  # B prompt texts (before any chat template; rewards see these)
     pioneer: Generation
     pioneer_rewards: torch.Tensor  # [B] task reward of the pioneer's answers
     observer_prompts: list[str] | None
@@ -126,7 +126,12 @@ def play_episode(
 
 
 def _answer(agents, name, texts, recipe, stopping, generator) -> tuple[Generation, int]:
-    ids, cut = encode_prompts(agents.tokenizer, texts, recipe.data.max_prompt_tokens)
+    """Agent `name` answers each prompt text (chat-templated here when the recipe says so)."""
+    data = recipe.data
+    rendered = [render(agents.tokenizer, data, text) for text in texts]
+    ids, cut = encode_prompts(
+        agents.tokenizer, rendered, data.max_prompt_tokens, data.chat_template
+    )
     with agents.use(name):
         return generate(
             agents.model, agents.tokenizer, ids, recipe.generation, stopping, generator

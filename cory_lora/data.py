@@ -3,6 +3,7 @@ seeded, resumable order over them."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +35,46 @@ class PromptSet:
         return [{k: v[i] for k, v in self.columns.items()} for i in range(len(self))]
 
 
-def load_prompts(cfg: DataConfig, split: str | None = None) -> PromptSet:
-    """Load `split` (default data.split) and check the columns the recipe names exist."""
+def load_prompts(
+    cfg: DataConfig, tokenizer=None, seed: int = 0, split: str | None = None
+) -> PromptSet:
+    """The training prompts (default data.split, minus any eval_holdout rows), or `split`.
+
+    Columns named by the recipe are checked; IMDB-style queries (min_query_chars, query token
+    prefixes) are built here, once, with `seed`.
+    """
     split = split or cfg.split
-    dataset = _load_split(cfg, split)
+    prompts = _prepare(cfg, _load_split(cfg, split), split, tokenizer, seed)
+    if cfg.eval_holdout and split == cfg.split:
+        held_out = set(_holdout(len(prompts), cfg.eval_holdout, seed))
+        prompts = prompts.take([i for i in range(len(prompts)) if i not in held_out])
+        if len(prompts) == 0:
+            raise UserError(f"data.eval_holdout = {cfg.eval_holdout} leaves no training prompts")
+    return prompts
+
+
+def load_eval_prompts(cfg: DataConfig, tokenizer=None, seed: int = 0, split: str | None = None):
+    """Held-out prompts: `split`, else data.eval_split, else the eval_holdout rows, else `test`."""
+    if split or cfg.eval_split or not cfg.eval_holdout:
+        name = split or cfg.eval_split or "test"
+        return _prepare(cfg, _load_split(cfg, name), name, tokenizer, seed)
+    prompts = _prepare(cfg, _load_split(cfg, cfg.split), cfg.split, tokenizer, seed)
+    return prompts.take(_holdout(len(prompts), cfg.eval_holdout, seed))
+
+
+def _holdout(n: int, k: int, seed: int) -> list[int]:
+    return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(seed + 7)).tolist()[:k])
+
+
+def _prepare(cfg: DataConfig, dataset, split: str, tokenizer, seed: int) -> PromptSet:
+    if cfg.rename_columns:
+        missing = [c for c in cfg.rename_columns if c not in dataset.column_names]
+        if missing:
+            raise UserError(
+                f"data.rename_columns names {', '.join(missing)}, not a column of {cfg.dataset!r} "
+                f"(columns: {', '.join(dataset.column_names)})"
+            )
+        dataset = dataset.rename_columns(cfg.rename_columns)
     columns = dataset.column_names
     if cfg.query_column not in columns:
         raise UserError(
@@ -50,10 +87,28 @@ def load_prompts(cfg: DataConfig, split: str | None = None) -> PromptSet:
             f"data.prompt_template uses {', '.join(sorted(missing))}, which is not a column "
             f"of {cfg.dataset!r} (columns: {', '.join(columns)})"
         )
-    if len(dataset) == 0:
-        raise UserError(f"data.dataset = {cfg.dataset!r}: split {split!r} is empty")
     table = dataset.to_dict()
-    return PromptSet([str(q) for q in table[cfg.query_column]], table)
+    queries = [str(q) for q in table[cfg.query_column]]
+    if cfg.min_query_chars:
+        keep = [i for i, q in enumerate(queries) if len(q) > cfg.min_query_chars]
+        queries = [queries[i] for i in keep]
+        table = {k: [v[i] for i in keep] for k, v in table.items()}
+    if not queries:
+        raise UserError(f"data.dataset = {cfg.dataset!r}: split {split!r} has no usable rows")
+    if cfg.query_max_tokens:
+        queries = _token_prefixes(queries, tokenizer, cfg, seed)
+    return PromptSet(queries, table)
+
+
+def _token_prefixes(texts: list[str], tokenizer, cfg: DataConfig, seed: int) -> list[str]:
+    """The first n tokens of each text, n ~ U[query_min_tokens, query_max_tokens) (seeded)."""
+    rng = random.Random(seed)
+    lengths = [rng.randrange(cfg.query_min_tokens, cfg.query_max_tokens) for _ in texts]
+    # A generous character prefix tokenises like the full text over its first tokens, and
+    # keeps this cheap on 25k long reviews.
+    heads = [t[: 50 * cfg.query_max_tokens] for t in texts]
+    ids = tokenizer(heads, add_special_tokens=False).input_ids
+    return [tokenizer.decode(i[:n]) for i, n in zip(ids, lengths, strict=True)]
 
 
 def _load_split(cfg: DataConfig, split: str):
@@ -88,10 +143,23 @@ def format_prompt(template: str, query: str, row: dict) -> str:
     return template.format_map({**row, "query": query})
 
 
-def encode_prompts(tokenizer, texts: list[str], max_tokens: int) -> tuple[list[list[int]], int]:
+def render(tokenizer, cfg: DataConfig, content: str) -> str:
+    """The text the model sees: `content` itself, or a chat built with the tokenizer's template."""
+    if not cfg.chat_template:
+        return content
+    messages = [{"role": "user", "content": content}]
+    if cfg.system_prompt:
+        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompts(
+    tokenizer, texts: list[str], max_tokens: int, chat: bool = False
+) -> tuple[list[list[int]], int]:
     """Token ids per prompt, and how many were cut. Long prompts keep their *last* tokens (the
-    question's end and the answer cue), after the BOS token when the tokenizer adds one."""
-    encoded = tokenizer(texts).input_ids
+    question's end and the answer cue), after the BOS token when there is one. Chat-templated
+    texts already hold their special tokens, so none are added."""
+    encoded = tokenizer(texts, add_special_tokens=not chat).input_ids
     bos = tokenizer.bos_token_id
     out, cut = [], 0
     for ids in encoded:

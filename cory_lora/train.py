@@ -22,7 +22,7 @@ from cory_lora.cory import Episode, play_episode, roles_at
 from cory_lora.data import PromptOrder, load_prompts
 from cory_lora.errors import ConfigError
 from cory_lora.generation import Stopping
-from cory_lora.model import Agents, load_agents, load_tokenizer
+from cory_lora.model import Agents, load_agents, load_tokenizer, resolve_device
 from cory_lora.outputs import RunDir
 from cory_lora.rewards import load_reward
 from cory_lora.update import (
@@ -39,11 +39,12 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display) -> list[dict]:
     """Train as the recipe says; write everything under run_dir. Returns the metrics history."""
     # 0. Everything that can fail on user input fails here, before the run directory exists.
     seed_everything(recipe.train.seed)
-    prompts = load_prompts(recipe.data)
-    reward = load_reward(recipe.reward.function)
-    reward.check_signature(list(prompts.columns))
-    display.message(f"loading {recipe.model.name_or_path} ...")
     tokenizer = load_tokenizer(recipe.model)
+    prompts = load_prompts(recipe.data, tokenizer, recipe.train.seed)
+    reward = load_reward(recipe.reward, str(resolve_device(recipe.model.device)))
+    reward.check_signature(list(prompts.columns))
+    reward.probe(prompts.queries[:2], {k: v[:2] for k, v in prompts.columns.items()})
+    display.message(f"loading {recipe.model.name_or_path} ...")
     agents = load_agents(recipe, tokenizer)
     check_lengths(recipe, agents)
     names = agents.names
@@ -104,6 +105,14 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display) -> list[dict]:
                 "samples.jsonl", samples(iteration, episode, recipe.log.samples_per_iteration)
             )
             history.append(metrics)
+            if episode.truncated_prompts and not any(
+                m["data/truncated_prompts"] for m in history[:-1]
+            ):
+                display.message(
+                    f"warning: {episode.truncated_prompts} prompt(s) longer than "
+                    f"data.max_prompt_tokens = {recipe.data.max_prompt_tokens} were cut (their "
+                    "last tokens kept); metrics.jsonl counts them in data/truncated_prompts"
+                )
             display.update(metrics, names, recipe.train.iterations)
         display.stop()
         run_dir.save_final(agents)

@@ -9,6 +9,7 @@ pioneer's answer, which is not part of the question.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -18,12 +19,29 @@ from dataclasses import dataclass
 
 import torch
 
+from cory_lora.config import RewardConfig
 from cory_lora.errors import UserError
 from cory_lora.rewards.builtin import exact_match
+from cory_lora.rewards.gsm8k import gsm8k_accuracy
+from cory_lora.rewards.sentiment import DEFAULT_MODEL, sentiment_reward
 
-BUILTIN: dict[str, Callable] = {"exact_match": exact_match}
+BUILTIN: dict[str, Callable] = {
+    "exact_match": exact_match,
+    "gsm8k_accuracy": gsm8k_accuracy,
+    "sentiment_reward": sentiment_reward,
+}
+# Keyword parameters a reward may declare; they are filled from the recipe (see load_reward).
+RECIPE_PARAMETERS = ("model_name", "device", "batch_size")
 
-__all__ = ["BUILTIN", "Reward", "exact_match", "load_reward"]
+__all__ = [
+    "BUILTIN",
+    "Reward",
+    "RewardError",
+    "exact_match",
+    "gsm8k_accuracy",
+    "load_reward",
+    "sentiment_reward",
+]
 
 
 class RewardError(UserError):
@@ -51,6 +69,18 @@ class Reward:
                 f"reward.function = {self.name!r} cannot be called as "
                 f"fn(prompts=..., completions=..., {', '.join(f'{c}=...' for c in columns)}): {e}. "
                 "Add **kwargs to accept dataset columns it does not use."
+            ) from None
+
+    def probe(self, prompts: list[str], columns: dict[str, list]) -> None:
+        """Call the reward once on a few real prompts (their own text as dummy completions) so
+        that import, download or column problems surface before training; values are ignored."""
+        try:
+            with torch.no_grad():
+                self.fn(prompts=prompts, completions=list(prompts), **columns)
+        except Exception as e:
+            raise UserError(
+                f"reward {self.name!r} failed on a trial call before training: "
+                f"{type(e).__name__}: {e}"
             ) from None
 
     def __call__(
@@ -93,11 +123,32 @@ class Reward:
         return torch.tensor(scores, dtype=torch.float32)
 
 
-def load_reward(spec: str) -> Reward:
-    """`spec` is a built-in name or `module:function` (the module is imported from the current
-    directory first, so a local `my_rewards.py` works)."""
+def load_reward(cfg: RewardConfig | str, device: str = "cpu") -> Reward:
+    """A built-in name or `module:function` (the module is imported from the current directory
+    first, so a local `my_rewards.py` works).
+
+    A reward that declares keyword parameters `model_name`, `device` or `batch_size` (as
+    `sentiment_reward` does) gets them from `reward.model`, the run's device and
+    `reward.batch_size`.
+    """
+    cfg = RewardConfig(function=cfg) if isinstance(cfg, str) else cfg
+    fn = _resolve(cfg.function)
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    given = {
+        "model_name": cfg.model or (DEFAULT_MODEL if fn is sentiment_reward else ""),
+        "device": str(device),
+        "batch_size": cfg.batch_size,
+    }
+    bound = {k: v for k, v in given.items() if k in parameters and (k != "model_name" or v)}
+    return Reward(cfg.function, functools.partial(fn, **bound) if bound else fn)
+
+
+def _resolve(spec: str) -> Callable:
     if spec in BUILTIN:
-        return Reward(spec, BUILTIN[spec])
+        return BUILTIN[spec]
     if ":" not in spec:
         known = ", ".join(BUILTIN)
         raise UserError(f"reward.function = {spec!r}: not a built-in ({known}) nor module:function")
@@ -113,4 +164,4 @@ def load_reward(spec: str) -> Reward:
         raise UserError(
             f"reward.function = {spec!r}: {module_name} has no function {function_name!r}"
         )
-    return Reward(spec, fn)
+    return fn
