@@ -102,6 +102,153 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     console.print(f"[green]ok[/]: {recipe} is a valid recipe", highlight=False)
 
 
+RunArg = Annotated[Path, typer.Argument(help="Run directory.", show_default=False)]
+
+
+@app.command("eval")
+def eval_(
+    run_dir: RunArg,
+    split: Annotated[str | None, typer.Option(help="Split (default: data.eval_split).")] = None,
+    limit: Annotated[int, typer.Option(help="Held-out prompts to use at most.")] = 200,
+    k: Annotated[str, typer.Option(help="pass@k values, comma-separated.")] = "1",
+    n: Annotated[int, typer.Option(help="Samples per prompt (default: the largest k).")] = 0,
+) -> None:
+    """Evaluate a finished run: each agent alone, the pair, and the base model."""
+    from rich.table import Table
+
+    with user_errors():
+        try:
+            ks = tuple(sorted({int(v) for v in k.split(",")}))
+        except ValueError:
+            raise UserError(
+                f"--k {k!r}: expected comma-separated integers such as 1,5,10"
+            ) from None
+        if min(ks) < 1 or limit < 1 or n < 0:
+            raise UserError("--k values and --limit must be positive, --n not negative")
+        quiet_libraries()
+        from cory_lora.evaluate import evaluate
+
+        result = evaluate(run_dir, split, limit, ks, n)
+    table = Table(
+        title=f"{run_dir}: {result['prompts']} {result['split']} prompts, "
+        f"{result['samples_per_prompt']} samples each"
+    )
+    columns = [
+        "row",
+        "accuracy",
+        *[f"pass@{v}" for v in result["k"]],
+        "task reward",
+        "KL",
+        f"task - {result['eta']}*KL",
+    ]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "row" else "right")
+    for row in result["rows"]:
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        passes = [fmt(row["pass_at"].get(str(v))) for v in result["k"]]
+        table.add_row(
+            row["name"],
+            fmt(row["accuracy"]),
+            *passes,
+            fmt(row["task_reward"]),
+            fmt(row["kl"]),
+            fmt(row["combined_reward"]),
+        )
+    console.print(table)
+    console.print(f"written {Path(run_dir) / 'eval.json'}", highlight=False)
+
+
+@app.command()
+def sample(
+    run_dir: RunArg,
+    prompt: Annotated[
+        str, typer.Argument(help="Query text (formatted like the recipe's prompts).")
+    ],
+    agent: Annotated[str, typer.Option(help="llm1, llm2, or base (adapters disabled).")] = "llm1",
+    n: Annotated[int, typer.Option(help="Samples to draw.")] = 1,
+    greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of sampling.")] = False,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+) -> None:
+    """Print an agent's answers to a prompt."""
+    from dataclasses import replace
+
+    with user_errors():
+        quiet_libraries()
+        import torch
+
+        from cory_lora.cory import Roles, play_episode
+        from cory_lora.data import PromptSet
+        from cory_lora.evaluate import load_run
+        from cory_lora.model import BASE
+        from cory_lora.rewards import Reward
+        from cory_lora.train import stopping_for
+
+        recipe, agents = load_run(run_dir)
+        if agent not in (*agents.names, BASE):
+            raise UserError(f"--agent {agent!r}: this run has {', '.join(agents.names)} (or base)")
+        if greedy:
+            recipe = replace(recipe, generation=replace(recipe.generation, temperature=0.0))
+        recipe = replace(recipe, data=replace(recipe.data, prompt_template="{query}"))
+        no_reward = Reward("none", lambda prompts, completions, **_: [0.0] * len(completions))
+        generator = torch.Generator(agents.device).manual_seed(seed)
+        episode = play_episode(
+            agents,
+            Roles(agent, None),
+            PromptSet([prompt] * n, {}),
+            recipe,
+            no_reward,
+            stopping_for(agents, recipe),
+            generator,
+        )
+    for i, text in enumerate(episode.pioneer.texts):
+        console.print(f"[bold]{agent} #{i + 1}[/]", highlight=False)
+        console.print(text, highlight=False, markup=False)
+
+
+@app.command()
+def plot(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories to compare.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Image file to write.")] = Path(
+        "curves.png"
+    ),
+    smooth: Annotated[int, typer.Option(help="Moving-average window (iterations).")] = 10,
+) -> None:
+    """Training curves of several runs in one figure, and their reward-KL plane."""
+    with user_errors():
+        from cory_lora.plots import plot_runs
+
+        path = plot_runs(run_dirs, out, max(1, smooth))
+    console.print(f"written {path}", highlight=False)
+
+
+@app.command()
+def plan(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    gpu_gb: Annotated[float, typer.Option(help="GPU memory to plan for, in GiB.")] = 24.0,
+) -> None:
+    """Estimate peak GPU memory of a recipe from the model config alone (loads no weights)."""
+    from rich.table import Table
+
+    with user_errors():
+        config = load_recipe(recipe, set_ or [])
+        quiet_libraries()
+        from cory_lora.plan import GB, estimate
+
+        memory = estimate(config)
+    table = Table(title=f"{recipe}: estimated peak GPU memory")
+    table.add_column("component")
+    table.add_column("GiB", justify="right")
+    for name, size in memory.parts.items():
+        table.add_row(name, f"{size / GB:.2f}")
+    table.add_row("[bold]peak[/]", f"[bold]{memory.peak / GB:.2f}[/]")
+    console.print(table)
+    verdict = "fits" if memory.fits(gpu_gb) else "does NOT fit"
+    console.print(f"{memory.peak / GB:.1f} GiB {verdict} in {gpu_gb:g} GiB", highlight=False)
+    if not memory.fits(gpu_gb):
+        raise typer.Exit(1)
+
+
 @app.command()
 def keys() -> None:
     """Print every recipe key with its default and meaning (Markdown)."""

@@ -23,6 +23,7 @@ from cory_lora.errors import UserError
 from cory_lora.generation import position_ids
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+BASE = "base"  # `agents.use(BASE)`: the base model, adapters disabled (the reference)
 
 
 class Agents:
@@ -41,7 +42,12 @@ class Agents:
 
     @contextmanager
     def use(self, name: str) -> Iterator[None]:
-        """Run the block with agent `name`'s adapter active (and only its LoRA trainable)."""
+        """Run the block with agent `name`'s adapter active (and only its LoRA trainable);
+        `use(BASE)` runs the reference (for evaluating the base model)."""
+        if name == BASE:
+            with self.reference():
+                yield
+            return
         previous = self.model.active_adapter
         self.model.set_adapter(name)
         try:
@@ -107,8 +113,21 @@ class Agents:
             }
             save_file(head, str(Path(directory) / name / VALUE_HEAD_FILE))
 
-    def load_value_head(self, name: str, path: Path) -> None:
-        self.value_heads[name].load_state_dict(load_file(str(path), device=str(self.device)))
+    def load(self, directory: Path, names: tuple[str, ...] | None = None) -> None:
+        """Load adapters and value heads written by `save` (the same LoRA shape) in place."""
+        from peft import set_peft_model_state_dict
+
+        for name in names or self.names:
+            adapter = Path(directory) / name
+            weights = load_file(str(adapter / "adapter_model.safetensors"), device=str(self.device))
+            result = set_peft_model_state_dict(self.model, weights, adapter_name=name)
+            missing = [k for k in result.missing_keys if f".{name}." in k and "lora_" in k]
+            if missing or result.unexpected_keys:
+                raise UserError(
+                    f"{adapter}: adapter weights do not match this model and LoRA shape"
+                )
+            head = load_file(str(adapter / VALUE_HEAD_FILE), device=str(self.device))
+            self.value_heads[name].load_state_dict(head)
 
     def parameter_bytes(self) -> int:
         """Bytes of every distinct tensor storage the agents hold (weights, quantisation state,

@@ -24,6 +24,7 @@ from cory_lora.errors import ConfigError
 from cory_lora.generation import Stopping
 from cory_lora.model import Agents, load_agents, load_tokenizer, resolve_device
 from cory_lora.outputs import RunDir
+from cory_lora.plots import plot_runs
 from cory_lora.rewards import load_reward
 from cory_lora.update import (
     AgentState,
@@ -116,6 +117,7 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display) -> list[dict]:
             display.update(metrics, names, recipe.train.iterations)
         display.stop()
         run_dir.save_final(agents)
+        plot_runs([run_dir.path], run_dir.path / "curves.png")
     except BaseException:
         display.stop()
         run_dir.discard_if_empty_run()

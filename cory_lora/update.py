@@ -72,6 +72,32 @@ def _logprobs(logits: torch.Tensor, response_ids: torch.Tensor, temperature: flo
     return selective_log_softmax(logits[:, :-1].float(), response_ids, temperature=temperature)
 
 
+def sequences(gen: Generation) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt then response: (input_ids [B, P+T], attention_mask [B, P+T])."""
+    return (
+        torch.cat([gen.prompt_ids, gen.response_ids], dim=1),
+        torch.cat([gen.prompt_mask, gen.response_mask], dim=1),
+    )
+
+
+@torch.no_grad()
+def sequence_kl(
+    agents: Agents, name: str, gen: Generation, micro_batch_size: int, temperature: float
+):
+    """[B] sum over response tokens of logp - logp_ref of agent `name` (the reported KL)."""
+    input_ids, attention_mask = sequences(gen)
+    T = gen.response_ids.shape[1]
+    out = []
+    for rows in torch.arange(len(input_ids)).split(micro_batch_size):
+        ids, attn, resp = input_ids[rows], attention_mask[rows], gen.response_ids[rows]
+        with agents.use(name):
+            logprobs = _logprobs(agents.forward(ids, attn, T + 1)[0], resp, temperature)
+        with agents.reference():
+            ref_logprobs = _logprobs(agents.forward(ids, attn, T + 1)[0], resp, temperature)
+        out.append(((logprobs - ref_logprobs) * gen.response_mask[rows]).sum(1))
+    return torch.cat(out)
+
+
 @torch.no_grad()
 def score_rollout(
     agents: Agents,
@@ -86,8 +112,7 @@ def score_rollout(
 
     raw_scores [B]: the agent's score per episode (its collective reward in CORY).
     """
-    input_ids = torch.cat([gen.prompt_ids, gen.response_ids], dim=1)
-    attention_mask = torch.cat([gen.prompt_mask, gen.response_mask], dim=1)
+    input_ids, attention_mask = sequences(gen)
     response_ids, mask = gen.response_ids, gen.response_mask.float()
     T = response_ids.shape[1]
     parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}

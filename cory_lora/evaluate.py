@@ -1,0 +1,160 @@
+"""Evaluation of a finished run on held-out prompts: each agent alone, the pair, and the base.
+
+Rows:
+* `llmK` — the agent alone, answering the query (the pioneer's prompt);
+* `llmA→llmB` — the pair: llmA answers, llmB answers after reading it (the pair's answer is the
+  observer's); its KL is the observer's;
+* `base` — the model with adapters disabled (the reference; its KL is 0 by definition).
+
+Per row: `accuracy` (greedy decoding) and `pass@k` (unbiased estimator over n samples per prompt,
+Chen et al. 2021) when the reward is a 0/1 correctness score (exact_match, gsm8k_accuracy);
+and, for any task, the mean task reward, the mean sequence KL to the reference and the combined
+reward task − eta·KL over the sampled answers (eta = log.eta of the run's recipe).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from cory_lora.config import Recipe, load_recipe
+from cory_lora.cory import Roles, play_episode
+from cory_lora.data import PromptSet, load_eval_prompts
+from cory_lora.errors import UserError
+from cory_lora.generation import Generation
+from cory_lora.model import BASE, Agents, load_agents
+from cory_lora.outputs import atomic_write_text
+from cory_lora.rewards import Reward, load_reward
+from cory_lora.train import stopping_for
+from cory_lora.update import sequence_kl
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples, drawn without replacement from n samples of
+    which c are correct, is correct: 1 - C(n - c, k) / C(n, k). Needs k <= n."""
+    if not 0 <= c <= n or not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 0 < k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    # product form of the ratio of binomials: stable for large n
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+@dataclass(frozen=True)
+class EvalRow:
+    name: str
+    task_reward: float
+    kl: float
+    combined_reward: float
+    accuracy: float | None  # greedy, when the reward is 0/1
+    pass_at: dict[int, float]  # k -> pass@k, when the reward is 0/1
+
+
+def load_run(run_dir: Path) -> tuple[Recipe, Agents]:
+    """The run's resolved recipe and its final agents (adapters and value heads)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").exists():
+        raise UserError(f"{run_dir}: not a run directory (no config.toml)")
+    if not (run_dir / "final").is_dir():
+        raise UserError(f"{run_dir}: the run has not finished (no final/ adapters)")
+    recipe = load_recipe(run_dir / "config.toml")
+    agents = load_agents(recipe)
+    agents.load(run_dir / "final")
+    return recipe, agents
+
+
+def evaluate(
+    run_dir: Path,
+    split: str | None = None,
+    limit: int = 200,
+    ks: tuple[int, ...] = (1,),
+    n: int = 0,
+) -> dict:
+    """Evaluate every row on up to `limit` held-out prompts; write run_dir/eval.json."""
+    recipe, agents = load_run(run_dir)
+    n = n or max(ks)
+    if max(ks) > n:
+        raise UserError(f"--k {max(ks)} needs at least that many samples per prompt (--n {n})")
+    prompts = load_eval_prompts(recipe.data, agents.tokenizer, recipe.train.seed, split)
+    prompts = prompts.take(list(range(min(limit, len(prompts)))))
+    reward = load_reward(recipe.reward, str(agents.device))
+    evaluator = _Evaluator(recipe, agents, reward, prompts, ks, n)
+    rows = [evaluator.alone(name) for name in agents.names]
+    if len(agents.names) == 2:
+        rows += [
+            evaluator.pair(Roles(*agents.names)),
+            evaluator.pair(Roles(*agents.names).swapped()),
+        ]
+    rows.append(evaluator.base())
+    result = {
+        "run": str(run_dir),
+        "split": split
+        or recipe.data.eval_split
+        or ("holdout" if recipe.data.eval_holdout else "test"),
+        "prompts": len(prompts),
+        "samples_per_prompt": n,
+        "k": list(ks),
+        "eta": recipe.log.eta,
+        "rows": [
+            row.__dict__ | {"pass_at": {str(k): v for k, v in row.pass_at.items()}} for row in rows
+        ],
+    }
+    atomic_write_text(Path(run_dir) / "eval.json", json.dumps(result, indent=2) + "\n")
+    return result
+
+
+class _Evaluator:
+    def __init__(self, recipe, agents, reward: Reward, prompts: PromptSet, ks, n):
+        self.recipe, self.agents, self.reward, self.prompts = recipe, agents, reward, prompts
+        self.ks, self.n = ks, n
+        self.stopping = stopping_for(agents, recipe)
+        self.greedy = replace(recipe, generation=replace(recipe.generation, temperature=0.0))
+        self.repeated = prompts.take([i for i in range(len(prompts)) for _ in range(n)])
+
+    def _episode(self, recipe, roles, prompts):
+        generator = torch.Generator(self.agents.device).manual_seed(recipe.train.seed)
+        return play_episode(
+            self.agents, roles, prompts, recipe, self.reward, self.stopping, generator
+        )
+
+    def _row(self, name, greedy_rewards, sampled_rewards, kl) -> EvalRow:
+        task = float(sampled_rewards.mean())
+        binary = bool(((sampled_rewards == 0) | (sampled_rewards == 1)).all())
+        pass_at = {}
+        if binary:
+            correct = sampled_rewards.view(len(self.prompts), self.n).sum(1).long().tolist()
+            pass_at = {
+                k: sum(pass_at_k(self.n, c, k) for c in correct) / len(correct) for k in self.ks
+            }
+        accuracy = float(greedy_rewards.mean()) if binary else None
+        return EvalRow(name, task, kl, task - self.recipe.log.eta * kl, accuracy, pass_at)
+
+    def _kl(self, name: str, gen: Generation) -> float:
+        temperature = self.recipe.generation.temperature or 1.0
+        return float(
+            sequence_kl(
+                self.agents, name, gen, self.recipe.ppo.micro_batch_size, temperature
+            ).mean()
+        )
+
+    def alone(self, name: str) -> EvalRow:
+        greedy = self._episode(self.greedy, Roles(name, None), self.prompts)
+        sampled = self._episode(self.recipe, Roles(name, None), self.repeated)
+        kl = self._kl(name, sampled.pioneer)
+        return self._row(name, greedy.pioneer_rewards, sampled.pioneer_rewards, kl)
+
+    def pair(self, roles: Roles) -> EvalRow:
+        greedy = self._episode(self.greedy, roles, self.prompts)
+        sampled = self._episode(self.recipe, roles, self.repeated)
+        kl = self._kl(roles.observer, sampled.observer)
+        name = f"{roles.pioneer}→{roles.observer}"
+        return self._row(name, greedy.observer_rewards, sampled.observer_rewards, kl)
+
+    def base(self) -> EvalRow:
+        greedy = self._episode(self.greedy, Roles(BASE, None), self.prompts)
+        sampled = self._episode(self.recipe, Roles(BASE, None), self.repeated)
+        return self._row(BASE, greedy.pioneer_rewards, sampled.pioneer_rewards, 0.0)

@@ -1,0 +1,129 @@
+"""Peak GPU memory of a recipe, estimated from the model's config alone (nothing is loaded).
+
+The model is built on PyTorch's `meta` device (shapes, no storage), so every architecture gets
+exact parameter counts. What is counted, in bytes:
+
+* **base weights**: 4-bit NF4 linear layers at 0.5 byte per weight plus their quantisation
+  constants (double quantisation: ~1/64 byte per weight; without: 4/64); embeddings, norms and the
+  LM head stay in the compute dtype (bitsandbytes does not quantise them). Full precision: every
+  weight at the dtype's size.
+* **each agent**: LoRA weights in float32 + their gradients + AdamW's two moments (16 bytes per
+  LoRA parameter), and its float32 value head likewise.
+* **generation**: the KV cache for one generation micro-batch at the longest prompt plus
+  max_new_tokens, plus the prefill's widest transient activations.
+* **training** (one micro-batch of prompt + response tokens): activations saved for the backward
+  pass — per layer and token roughly the inputs of every linear layer, the attention output and
+  the MLP's intermediate activations, plus float32 RMSNorm statistics; with gradient
+  checkpointing only each layer's input is kept and one layer is recomputed at a time — and the
+  response logits in float32 (our forward computes logits for response positions only).
+* **reserve**: CUDA context and allocator fragmentation, 0.5 GB + 10%.
+
+Peak = base + agents + max(generation, training) + reserve. An estimate, not a measurement: the
+GPU check in bench/ measures `torch.cuda.max_memory_allocated`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cory_lora.config import Recipe
+from cory_lora.errors import UserError
+from cory_lora.model import resolve_dtype
+
+GB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    parts: dict[str, float]  # component -> bytes
+    peak: float
+
+    def fits(self, gpu_gb: float) -> bool:
+        return self.peak <= gpu_gb * GB
+
+
+def _meta_model(recipe: Recipe):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(
+            recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"model.name_or_path = {recipe.model.name_or_path!r}: cannot read its config "
+            f"(a local directory with config.json, or a hub id reachable or cached): {e}"
+        ) from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=recipe.model.trust_remote_code
+        )
+    return config.get_text_config(), model
+
+
+def _is_target(name: str, targets: tuple[str, ...]) -> bool:
+    if targets == ("all-linear",):
+        return True
+    return name.rsplit(".", 1)[-1] in targets
+
+
+def estimate(recipe: Recipe) -> MemoryPlan:
+    config, model = _meta_model(recipe)
+    dtype = resolve_dtype(recipe.model.dtype, torch.device("cuda"))
+    if recipe.model.dtype == "auto":
+        dtype = torch.bfloat16  # what `auto` gives on a recent GPU
+    width = torch.finfo(dtype).bits // 8
+    head = model.get_output_embeddings()
+    linear = other = lora = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            linear += module.weight.numel()
+            if _is_target(name, recipe.lora.target_modules):
+                lora += recipe.lora.r * (module.in_features + module.out_features)
+    total = sum(p.numel() for p in model.parameters())
+    other = total - linear
+    if recipe.model.load_in_4bit:
+        base = linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + other * width
+    else:
+        base = total * width
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_dim = getattr(config, "num_key_value_heads", heads) * (hidden // heads)
+    inter = (
+        getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    )
+    n_agents = len(recipe.agents)
+    per_agent = 16 * (lora + hidden + 1)
+
+    g = recipe.generation
+    prompt, new = recipe.data.max_prompt_tokens, g.max_new_tokens
+    gen_batch = min(g.batch_size, recipe.ppo.batch_size)
+    kv_cache = 2 * layers * gen_batch * (prompt + new) * kv_dim * width
+    prefill = gen_batch * prompt * (4 * hidden + 2 * inter) * width
+    generation = kv_cache + prefill
+
+    tokens = recipe.ppo.micro_batch_size * (prompt + new)
+    per_layer_token = width * (8 * hidden + 2 * kv_dim + 4 * inter) + 2 * 2 * hidden * 4
+    if recipe.model.gradient_checkpointing:
+        activations = tokens * (layers * hidden * width + per_layer_token)
+    else:
+        activations = tokens * layers * per_layer_token
+    vocab = config.vocab_size
+    # logits in the compute dtype, their float32 copy and log-softmax, and its gradient
+    logits = recipe.ppo.micro_batch_size * (new + 1) * vocab * (width + 4 + 4)
+    training = activations + logits
+    parts = {
+        "base weights": base,
+        f"adapters + optimizer ({n_agents} agent{'s' * (n_agents > 1)})": n_agents * per_agent,
+        "generation: KV cache": kv_cache,
+        "generation: prefill activations": prefill,
+        "training: activations"
+        + (" (checkpointed)" if recipe.model.gradient_checkpointing else ""): activations,
+        "training: response logits": logits,
+    }
+    working = base + n_agents * per_agent + max(generation, training)
+    reserve = 0.5 * GB + 0.1 * working
+    parts["CUDA context + fragmentation reserve"] = reserve
+    return MemoryPlan(parts, working + reserve)
