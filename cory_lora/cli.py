@@ -40,12 +40,21 @@ SetOpt = Annotated[
 
 @contextmanager
 def user_errors():
-    """Turn a UserError into one red message and its exit code."""
+    """Turn a UserError into one red message and its exit code; Ctrl-C into exit code 130."""
     try:
         yield
     except UserError as e:
-        error_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        label = "[bold yellow]stopped:[/]" if e.exit_code == 130 else "[bold red]error:[/]"
+        error_console.print(f"{label} {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
+    except KeyboardInterrupt:
+        error_console.print(
+            "[bold yellow]stopped at once:[/] the last complete checkpoint is intact; resume with "
+            "`cory-lora resume RUN_DIR`",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(130) from None
 
 
 def quiet_libraries() -> None:
@@ -74,23 +83,55 @@ def run(
     quiet: Annotated[
         bool, typer.Option(help="Plain log lines instead of the progress display.")
     ] = False,
+    resume: Annotated[
+        bool, typer.Option(help="Continue the run in --output-dir from its newest checkpoint.")
+    ] = False,
 ) -> None:
     """Train with a recipe."""
-    from cory_lora.console import Display
-
     with user_errors():
         config = load_recipe(recipe, set_ or [])
-        from cory_lora.outputs import RunDir
-        from cory_lora.train import default_output_dir
-
+        if resume and overwrite:
+            raise UserError("--resume and --overwrite contradict each other: choose one")
+        if resume and not (output_dir or config.train.output_dir):
+            raise UserError("--resume needs --output-dir (the run to continue)")
         path = output_dir or Path(config.train.output_dir or default_output_dir(recipe))
-        run_dir = RunDir(path, overwrite=overwrite)  # checks now, before the model loads
-        console.print(f"[bold]recipe[/] {recipe} -> [bold]{path}[/]", highlight=False)
-        console.print(to_toml(config), highlight=False, markup=False)
-        quiet_libraries()
-        from cory_lora.train import run as train_run
+        _train(config, str(recipe), path, overwrite, quiet, resume)
 
-        train_run(config, run_dir, Display(console, quiet=quiet))
+
+@app.command()
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="Run directory to continue.", show_default=False)],
+    set_: SetOpt = None,
+    quiet: Annotated[
+        bool, typer.Option(help="Plain log lines instead of the progress display.")
+    ] = False,
+) -> None:
+    """Continue a run from its newest checkpoint, with the recipe it saved (plus --set)."""
+    with user_errors():
+        if not (run_dir / "config.toml").is_file():
+            raise UserError(f"nothing to resume in {str(run_dir)!r}: it holds no run")
+        config = load_recipe(run_dir / "config.toml", set_ or [])
+        _train(config, str(run_dir / "config.toml"), run_dir, False, quiet, True)
+
+
+def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
+    from cory_lora.console import Display
+    from cory_lora.outputs import RunDir
+
+    run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks now, before model loading
+    verb = "resuming" if resume else "recipe"
+    console.print(f"[bold]{verb}[/] {source} -> [bold]{path}[/]", highlight=False)
+    console.print(to_toml(config), highlight=False, markup=False)
+    quiet_libraries()
+    from cory_lora.train import run as train_run
+
+    train_run(config, run_dir, Display(console, quiet=quiet), resume=resume)
+
+
+def default_output_dir(recipe_path: Path) -> Path:
+    import time
+
+    return Path("runs") / f"{Path(recipe_path).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 @app.command()

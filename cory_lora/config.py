@@ -228,6 +228,16 @@ class TrainConfig:
     output_dir: str = _opt(
         "", "Run directory; empty: runs/<recipe name>-<date-time>. --output-dir overrides it."
     )
+    checkpoint_every: int = _opt(
+        10, "Write a checkpoint every this many iterations (and always at the end).", gt=0
+    )
+    keep_checkpoints: int = _opt(2, "How many of the newest checkpoints to keep.", gt=0)
+    max_bad_updates: int = _opt(
+        3,
+        "Stop after an agent's update was skipped this many iterations in a row because of "
+        "NaN/inf (rewards, logprobs, advantages or loss).",
+        gt=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -460,6 +470,49 @@ def _show(value) -> str:
     if isinstance(value, (str, list, dict)):
         return json.dumps(value)
     return str(value)
+
+
+# --------------------------------------------------------------------------- resuming
+
+# Changing these makes a different run (other weights, data or objective): a resume is refused.
+RESUME_REFUSED = (
+    "model.name_or_path",
+    "model.load_in_4bit",
+    "model.dtype",
+    "model.trust_remote_code",
+    "lora",
+    "data",
+    "reward.function",
+    "reward.model",
+    "train.algorithm",
+    "train.seed",
+)
+# Changing these cannot change what is learned: allowed without a word.
+RESUME_FREE = (
+    "log",
+    "train.iterations",
+    "train.output_dir",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.max_bad_updates",
+    "reward.batch_size",
+)
+
+
+def resume_differences(old: Recipe, new: Recipe) -> tuple[list[str], list[str]]:
+    """(refused, noted): dotted keys whose values differ, split by what a resume allows.
+    Keys in neither list above (PPO and sampling settings, say) are allowed but noted."""
+    before, after = to_dict(old), to_dict(new)
+    changed = [
+        f"{section}.{key}"
+        for section, table in after.items()
+        for key, value in table.items()
+        if before[section][key] != value
+    ]
+    matches = lambda key, prefixes: any(key == p or key.startswith(p + ".") for p in prefixes)  # noqa: E731
+    refused = [k for k in changed if matches(k, RESUME_REFUSED)]
+    noted = [k for k in changed if not matches(k, RESUME_REFUSED) and not matches(k, RESUME_FREE)]
+    return refused, noted
 
 
 # --------------------------------------------------------------------------- writing

@@ -16,13 +16,22 @@ from rich.progress import (
 from rich.table import Table
 
 
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def agent_line(metrics: dict, names: tuple[str, ...]) -> str:
     parts = []
     for name in names:
         role = metrics.get(f"{name}/role", "")
         reward, kl = metrics[f"{name}/task_reward"], metrics[f"{name}/kl"]
-        parts.append(f"{name} ({role}) reward {reward:.3f} kl {kl:.3f}")
+        parts.append(f"{name} ({role}) reward {_number(reward)} kl {_number(kl)}")
     return " | ".join(parts)
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [m[key] for m in rows if m.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 class Display:
@@ -33,9 +42,15 @@ class Display:
         self._progress: Progress | None = None
         self._task = None
         self._start = time.monotonic()
+        self._warned: set[str] = set()
 
     def message(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        self.console.print(text, highlight=False, soft_wrap=True)
+
+    def warn_once(self, key: str, text: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            self.message(text)
 
     def start(self, total: int, done: int = 0) -> None:
         self._start = time.monotonic()
@@ -87,15 +102,9 @@ class Display:
         ):
             table.add_column(column, justify="right" if column != "agent" else "left")
         for name in names:
-            first = sum(m[f"{name}/task_reward"] for m in head) / len(head)
-            last = sum(m[f"{name}/task_reward"] for m in tail) / len(tail)
-            kl = sum(m[f"{name}/kl"] for m in tail) / len(tail)
-            table.add_row(
-                name,
-                f"{first:.3f}",
-                f"{last:.3f}",
-                f"{kl:.3f}",
-                f"{history[-1][f'{name}/kl_coef']:.4f}",
-            )
+            first, last = _mean(head, f"{name}/task_reward"), _mean(tail, f"{name}/task_reward")
+            kl = _mean(tail, f"{name}/kl")
+            beta = history[-1][f"{name}/kl_coef"]
+            table.add_row(name, _number(first), _number(last), _number(kl), f"{beta:.4f}")
         self.console.print(table)
         self.console.print(f"outputs in {run_dir}", highlight=False)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cory_lora import faults
 from cory_lora.config import GenerationConfig
 
 
@@ -104,6 +105,7 @@ def cut_at_stop(text: str, stop_strings: tuple[str, ...]) -> str:
 
 def _generate_micro_batch(model, tokenizer, prompts, cfg, stopping, generator):
     """Returns (response ids [b, r] padded with pad_id, lengths [b])."""
+    faults.maybe_die("generation")
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, tokenizer.pad_token_id, device)
     b = len(prompts)

@@ -15,7 +15,15 @@ from pathlib import Path
 
 from cory_lora.errors import UserError
 
-RUN_FILES = ("config.toml", "metrics.jsonl", "samples.jsonl", "final", "curves.png", "eval.json")
+RUN_FILES = (
+    "config.toml",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "final",
+    "checkpoints",
+    "curves.png",
+    "eval.json",
+)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -46,10 +54,14 @@ class RunDir:
     `open()` clears a run being overwritten and creates the directory.
     """
 
-    def __init__(self, path: Path, overwrite: bool = False):
+    def __init__(self, path: Path, overwrite: bool = False, resume: bool = False):
         self.path, self.overwrite, self.created = Path(path), overwrite, False
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"output directory {str(self.path)!r} is a file")
+        if resume:
+            if not (self.path / "config.toml").is_file():
+                raise UserError(f"nothing to resume in {str(self.path)!r}: it holds no run")
+            return
         existing = self._existing()
         if existing and not overwrite:
             raise UserError(
@@ -85,6 +97,34 @@ class RunDir:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             f.flush()
             os.fsync(f.fileno())
+
+    def remove_partial_writes(self) -> None:
+        """Delete what a killed process left half-written: every temporary (dot-named) file or
+        directory of the run, checkpoints included. Complete files are never dot-named."""
+        for parent in (self.path, self.path / "checkpoints"):
+            if parent.is_dir():
+                for leftover in parent.glob(".*"):
+                    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+
+    def truncate_logs(self, iterations: int) -> None:
+        """Keep only the records of the first `iterations` iterations (a resume replays the rest);
+        a line cut short by a crash is dropped too."""
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = self.path / name
+            if not path.exists():
+                continue
+            kept = []
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("iteration", 0) <= iterations:
+                    kept.append(line + "\n")
+            atomic_write_text(path, "".join(kept))
+        final = self.path / "final"
+        if final.exists():  # a finished run being extended: its final adapters are rewritten
+            shutil.rmtree(final)
 
     def save_final(self, agents) -> Path:
         """Write final/<agent>/ atomically: built in a temporary directory, then renamed."""

@@ -7,12 +7,13 @@ moves nothing: the optimizer moments, KL coefficient and score statistics follow
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
-from cory_lora import ppo
+from cory_lora import faults, ppo
 from cory_lora.config import PPOConfig
 from cory_lora.generation import Generation
 from cory_lora.model import Agents
@@ -55,6 +56,45 @@ class Rollout:
     def sequence_kl(self) -> torch.Tensor:
         """[B] sum over response tokens of logp - logp_ref (the k1 sequence KL we report)."""
         return ((self.logprobs - self.ref_logprobs) * self.mask).sum(1)
+
+
+class NonFiniteUpdate(Exception):
+    """A loss or gradient turned NaN/inf during an update."""
+
+
+def first_non_finite(rollout: Rollout) -> str | None:
+    """Name of the first rollout tensor holding NaN/inf, or None."""
+    for name in ("scores", "logprobs", "ref_logprobs", "values", "advantages", "returns"):
+        if not torch.isfinite(getattr(rollout, name)).all():
+            return name
+    return None
+
+
+def guarded_update(
+    agents: Agents,
+    name: str,
+    state: AgentState,
+    rollout: Rollout,
+    cfg: PPOConfig,
+    temperature: float,
+    generator: torch.Generator,
+) -> UpdateStats | str:
+    """`ppo_update`, or the reason it was skipped. A NaN/inf in the rollout skips the update; one
+    in a loss or gradient mid-update puts the agent back exactly as it was before the update."""
+    problem = first_non_finite(rollout)
+    if problem:
+        return f"non-finite {problem}"
+    params = agents.trainable_parameters(name)
+    saved_params = [p.detach().clone() for p in params]
+    saved_optimizer = copy.deepcopy(state.optimizer.state_dict())
+    try:
+        return ppo_update(agents, name, state, rollout, cfg, temperature, generator)
+    except NonFiniteUpdate as e:
+        with torch.no_grad():
+            for p, saved in zip(params, saved_params, strict=True):
+                p.copy_(saved)
+        state.optimizer.load_state_dict(saved_optimizer)
+        return str(e)
 
 
 @dataclass(frozen=True)
@@ -216,10 +256,14 @@ def ppo_update(
                             sums["clipped"] += pg.clipped_tokens
                             sums["approx_kl"] += pg.approx_kl_sum
                     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                    sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, max_norm)
+                    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                    if not torch.isfinite(norm):  # one sync per optimizer step
+                        raise NonFiniteUpdate("non-finite loss or gradient")
+                    sums["grad_norm"] += norm
                     sums["tokens"] += n_tokens
                     state.optimizer.step()
                     steps += 1
+                    faults.maybe_die("update")
     finally:
         agents.model.eval()
         state.optimizer.zero_grad(set_to_none=True)  # frees gradient memory before generation

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -25,6 +26,7 @@ def reward_module(tmp_path, monkeypatch):
         "def boom(prompts, completions, **kw):\n    raise KeyError('label')\n"
         "def nothing(prompts, completions, **kw):\n    return [None] * len(completions)\n"
         "def two_args(prompts, completions):\n    return [0.0] * len(completions)\n"
+        "def text(prompts, completions, **kw):\n    return ['good'] * len(completions)\n"
     )
     monkeypatch.chdir(tmp_path)
     yield
@@ -64,16 +66,24 @@ def test_reward_signature_checked_before_running(reward_module):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("my_rewards:nan_at_1", "returned nan for sample 1"),
         ("my_rewards:short", "returned 1 values for 2 completions"),
         ("my_rewards:boom", "raised KeyError"),
-        ("my_rewards:nothing", "returned None for sample 0"),
+        ("my_rewards:text", "returned 'good' for sample 0"),
     ],
 )
 def test_bad_reward_values_name_the_reward_and_sample(reward_module, spec, message):
     with pytest.raises(RewardError, match=message) as info:
         load_reward(spec)(["p", "p"], ["a", "b"], {})
     assert spec in str(info.value)
+    with pytest.raises(UserError, match="trial call"):
+        load_reward(spec).probe(["p", "p"], {})
+
+
+def test_nan_and_none_become_nan_for_the_loop_to_skip(reward_module):
+    nan = load_reward("my_rewards:nan_at_1")(["p", "p"], ["a", "b"], {})
+    assert nan[0] == 0.0 and math.isnan(nan[1])
+    assert load_reward("my_rewards:nothing")(["p"], ["a"], {}).isnan().all()
+    load_reward("my_rewards:nan_at_1").probe(["p", "p"], {})  # allowed before training
 
 
 def write_jsonl(path, rows):

@@ -135,14 +135,29 @@ def test_user_errors_exit_cleanly_and_write_nothing(tmp_path, recipe_file, secti
     assert not out.exists()
 
 
-def test_a_reward_that_returns_nan_stops_the_run_with_its_name(tmp_path, recipe_file, monkeypatch):
+def test_nan_rewards_skip_updates_then_stop_the_run(tmp_path, recipe_file, monkeypatch):
     (tmp_path / "nan_reward.py").write_text(
-        "def bad(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
+        "import math\n"
+        "def bad(prompts, completions, **kw):\n"
+        "    return [math.nan if i == 1 else 1.0 for i in range(len(completions))]\n"
     )
     monkeypatch.chdir(tmp_path)
-    recipe = recipe_file(reward={"function": "nan_reward:bad"})
+    recipe = recipe_file(
+        reward={"function": "nan_reward:bad"},
+        train={"iterations": 6, "max_bad_updates": 3, "checkpoint_every": 1},
+    )
     out = tmp_path / "run"
     result = run_cli("run", recipe, "--output-dir", out, "--quiet")
     assert result.exit_code == 1
-    assert "reward 'nan_reward:bad' returned nan for sample 0" in result.output
-    assert not out.exists()
+    text = " ".join(result.output.split())
+    expected = "reward 'nan_reward:bad' returned NaN/inf for the pioneer's answers [1]"
+    assert f"llm1's update skipped: {expected}" in text
+    assert "skipped 3 iterations in a row (train.max_bad_updates = 3)" in text
+    assert "Traceback" not in result.output
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["llm1/update_skipped"] for m in metrics] == [1, 1, 1]
+    assert [m["llm1/skipped_updates"] for m in metrics] == [1, 2, 3]
+    assert metrics[-1]["llm1/policy_loss"] is None
+    assert metrics[0]["llm1/task_reward"] == 1.0  # the mean of the finite rewards
+    # nothing was learned from poisoned scores: the checkpoints hold the initial (equal) agents
+    assert (out / "checkpoints" / "iter-000002").is_dir()

@@ -45,7 +45,7 @@ __all__ = [
 
 
 class RewardError(UserError):
-    """The reward raised, or returned something that is not one finite number per completion."""
+    """The reward raised, or returned something that is not one number per completion."""
 
 
 @dataclass(frozen=True)
@@ -73,20 +73,20 @@ class Reward:
 
     def probe(self, prompts: list[str], columns: dict[str, list]) -> None:
         """Call the reward once on a few real prompts (their own text as dummy completions) so
-        that import, download or column problems surface before training; values are ignored."""
+        that import, download, column or return-type problems surface before training (NaN
+        values are allowed here: they are judged in training)."""
         try:
-            with torch.no_grad():
-                self.fn(prompts=prompts, completions=list(prompts), **columns)
-        except Exception as e:
+            self(prompts, list(prompts), columns)
+        except RewardError as e:
             raise UserError(
-                f"reward {self.name!r} failed on a trial call before training: "
-                f"{type(e).__name__}: {e}"
+                f"{e} (in a trial call on the first prompts, before training)"
             ) from None
 
     def __call__(
         self, prompts: list[str], completions: list[str], columns: dict[str, list]
     ) -> torch.Tensor:
-        """Score completions; returns float32 [B]. Raises RewardError naming the bad sample."""
+        """Score completions: float32 [B], NaN where the reward gave None or a non-finite value.
+        Raises RewardError (naming the sample) for an exception, a wrong length or a non-number."""
         try:
             with torch.no_grad():
                 values = self.fn(prompts=prompts, completions=completions, **columns)
@@ -108,18 +108,14 @@ class Reward:
         scores = []
         for i, v in enumerate(values):
             try:
-                x = float(v)
+                # None (TRL: "no score for this one") and NaN/inf come back as NaN: the training
+                # loop skips the update they would poison, with a warning naming the samples.
+                scores.append(math.nan if v is None else float(v))
             except (TypeError, ValueError):
                 raise RewardError(
                     f"reward {self.name!r} returned {v!r} for sample {i} "
                     f"(completion {completions[i]!r}); expected a number"
                 ) from None
-            if not math.isfinite(x):
-                raise RewardError(
-                    f"reward {self.name!r} returned {x} for sample {i} "
-                    f"(completion {completions[i]!r})"
-                )
-            scores.append(x)
         return torch.tensor(scores, dtype=torch.float32)
 
 
