@@ -119,6 +119,8 @@ def _load_split(cfg: DataConfig, split: str):
     key = f"data.dataset = {cfg.dataset!r}"
     try:
         if path.is_file():
+            if path.stat().st_size == 0:
+                raise UserError(f"{key}: the file is empty")
             builder = LOCAL_BUILDERS.get(path.suffix)
             if builder is None:
                 raise UserError(f"{key}: unsupported file type (use {', '.join(LOCAL_BUILDERS)})")

@@ -153,12 +153,11 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
         display.stop()
         run_dir.save_final(agents)
         plot_runs([run_dir.path], run_dir.path / "curves.png")
-    except torch.OutOfMemoryError:
-        display.stop()
-        raise UserError(out_of_memory_message(run_dir)) from None
-    except BaseException:
+    except BaseException as e:
         display.stop()
         run_dir.discard_if_empty_run()
+        if isinstance(e, torch.OutOfMemoryError):
+            raise UserError(out_of_memory_message(run_dir)) from None
         raise
     history = read_history(run_dir)
     display.summary(history, names, run_dir.path)

@@ -113,28 +113,6 @@ def test_single_agent_ppo_trains_llm1_only(tmp_path, recipe_file):
     assert "observer" not in read_jsonl(out / "samples.jsonl")[0]
 
 
-@pytest.mark.parametrize(
-    "sections, message",
-    [
-        (
-            {"model": {"name_or_path": "./no/such-model"}},
-            "'./no/such-model': no such local directory",
-        ),
-        ({"data": {"query_column": "prompt"}}, "data.query_column = 'prompt': no such column"),
-        ({"reward": {"function": "nowhere:fn"}}, "cannot import 'nowhere'"),
-        ({"data": {"max_prompt_tokens": 254}}, "exceeds the model's context of 256"),
-        ({"lora": {"target_modules": ["nope_proj"]}}, "lora.target_modules"),
-    ],
-)
-def test_user_errors_exit_cleanly_and_write_nothing(tmp_path, recipe_file, sections, message):
-    recipe = recipe_file(**sections)
-    out = tmp_path / "run"
-    result = run_cli("run", recipe, "--output-dir", out, "--quiet")
-    assert result.exit_code != 0
-    assert message in result.output
-    assert not out.exists()
-
-
 def test_nan_rewards_skip_updates_then_stop_the_run(tmp_path, recipe_file, monkeypatch):
     (tmp_path / "nan_reward.py").write_text(
         "import math\n"
