@@ -24,20 +24,13 @@ from cory_lora.model import resolve_device
 
 
 def load(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cory_lora.model import keep_4bit_differentiable_on_cpu
+    from cory_lora.model import keep_4bit_differentiable_on_cpu, nf4_config
 
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    quant = None
-    if args.four_bit:
-        quant = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-        )
+    quant = nf4_config(dtype) if args.four_bit else None
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=dtype, quantization_config=quant, device_map={"": device}
     ).eval()

@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from cory_lora.config import describe_keys, load_recipe, to_toml
+from cory_lora.config import describe_keys, load_recipe, template_fields, to_toml
 from cory_lora.errors import UserError
 
 app = typer.Typer(
@@ -81,7 +81,7 @@ def run(
         bool, typer.Option(help="Replace an existing run in the output directory.")
     ] = False,
     quiet: Annotated[
-        bool, typer.Option(help="Plain log lines instead of the progress display.")
+        bool, typer.Option(help="Plain log lines, no progress display and no recipe echo.")
     ] = False,
     resume: Annotated[
         bool, typer.Option(help="Continue the run in --output-dir from its newest checkpoint.")
@@ -103,7 +103,7 @@ def resume(
     run_dir: Annotated[Path, typer.Argument(help="Run directory to continue.", show_default=False)],
     set_: SetOpt = None,
     quiet: Annotated[
-        bool, typer.Option(help="Plain log lines instead of the progress display.")
+        bool, typer.Option(help="Plain log lines, no progress display and no recipe echo.")
     ] = False,
 ) -> None:
     """Continue a run from its newest checkpoint, with the recipe it saved (plus --set)."""
@@ -121,7 +121,8 @@ def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume
     run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks now, before model loading
     verb = "resuming" if resume else "recipe"
     console.print(f"[bold]{verb}[/] {source} -> [bold]{path}[/]", highlight=False)
-    console.print(to_toml(config), highlight=False, markup=False)
+    if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
+        console.print(to_toml(config), highlight=False, markup=False)
     quiet_libraries()
     from cory_lora.train import run as train_run
 
@@ -229,7 +230,9 @@ def sample(
             raise UserError(f"--agent {agent!r}: this run has {', '.join(agents.names)} (or base)")
         if greedy:
             recipe = replace(recipe, generation=replace(recipe.generation, temperature=0.0))
-        recipe = replace(recipe, data=replace(recipe.data, prompt_template="{query}"))
+        if not (template_fields(recipe.data.prompt_template) or set()) <= {"query"}:
+            # the template needs dataset columns we do not have here: use the query as it is
+            recipe = replace(recipe, data=replace(recipe.data, prompt_template="{query}"))
         no_reward = Reward("none", lambda prompts, completions, **_: [0.0] * len(completions))
         generator = torch.Generator(agents.device).manual_seed(seed)
         episode = play_episode(

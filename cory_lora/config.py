@@ -300,10 +300,12 @@ def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
         sections[name] = _build_section(
             name, cls, table if isinstance(table, dict) else {}, problems
         )
-    if problems:
-        raise ConfigError(problems)
+    # Bad values were left at their defaults above, so the recipe can be built and checked for
+    # consistency now: every problem is reported in one go. A consistency problem that involves
+    # a key already reported would talk about a default the user did not write: left out.
     recipe = Recipe(**sections)
-    problems.extend(_cross_checks(recipe))
+    reported = {p.split(" ", 1)[0].rstrip(":") for p in problems}
+    problems.extend(c for c in _cross_checks(recipe) if not any(k in c for k in reported))
     if problems:
         raise ConfigError(problems)
     return recipe

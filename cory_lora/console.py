@@ -29,6 +29,11 @@ def agent_line(metrics: dict, names: tuple[str, ...]) -> str:
     return " | ".join(parts)
 
 
+def _both(values) -> str:
+    known = [v for v in values if v is not None]
+    return _number(sum(known) / len(known) if known else None)
+
+
 def _mean(rows: list[dict], key: str) -> float | None:
     values = [m[key] for m in rows if m.get(key) is not None]
     return sum(values) / len(values) if values else None
@@ -88,23 +93,37 @@ class Display:
             self._progress = None
 
     def summary(self, history: list[dict], names: tuple[str, ...], run_dir) -> None:
-        """Per agent: task reward over the first and last 10 iterations, final KL and beta."""
+        """Per agent (and both together): task reward over the first and last iterations (up to
+        10 each), KL over the last ones, and the final beta."""
         if not history:
             return
-        head, tail = history[:10], history[-10:]
+        window = min(10, len(history))
+        head, tail = history[:window], history[-window:]
         table = Table(title=f"run summary ({len(history)} iterations)")
-        for column in (
+        columns = (
             "agent",
-            "task reward, first 10",
-            "task reward, last 10",
-            "KL, last 10",
+            f"task reward, first {window}",
+            f"task reward, last {window}",
+            f"KL, last {window}",
             "beta",
-        ):
+        )
+        for column in columns:
             table.add_column(column, justify="right" if column != "agent" else "left")
         for name in names:
             first, last = _mean(head, f"{name}/task_reward"), _mean(tail, f"{name}/task_reward")
             kl = _mean(tail, f"{name}/kl")
             beta = history[-1][f"{name}/kl_coef"]
             table.add_row(name, _number(first), _number(last), _number(kl), f"{beta:.4f}")
+        if len(names) > 1:
+            both = [
+                (
+                    _mean(head, f"{n}/task_reward"),
+                    _mean(tail, f"{n}/task_reward"),
+                    _mean(tail, f"{n}/kl"),
+                )
+                for n in names
+            ]
+            cells = [_both(v) for v in zip(*both, strict=True)]
+            table.add_row("both", *cells, "")
         self.console.print(table)
         self.console.print(f"outputs in {run_dir}", highlight=False)

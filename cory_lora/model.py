@@ -207,21 +207,26 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
+def nf4_config(compute_dtype: torch.dtype):
+    """4-bit NF4 with double quantisation (QLoRA's recipe), computing in `compute_dtype`."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
 def load_base_model(cfg: ModelConfig):
     """The base causal LM: loaded once, frozen, dropout off (rollout and update logprobs match)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
     from trl.trainer.utils import disable_dropout_in_model
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    quantization = None
-    if cfg.load_in_4bit:
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype,
-        )
+    quantization = nf4_config(dtype) if cfg.load_in_4bit else None
     try:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,

@@ -80,6 +80,11 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
     stopping = stopping_for(agents, recipe)
     temperature = recipe.generation.temperature or 1.0  # greedy rollouts score at temperature 1
 
+    if state.iteration >= recipe.train.iterations:
+        display.message(
+            f"the run already has its {state.iteration} iterations; raise train.iterations "
+            "(--set train.iterations=N) to extend it"
+        )
     display.start(recipe.train.iterations, done=state.iteration)
     try:
         with GracefulStop(display) as stop:

@@ -55,7 +55,10 @@ def test_every_problem_reported_at_once_by_dotted_key():
     assert "ppo.epochs = 0: must be > 0" in joined
     assert "generation.top_p = 1.5: must be <= 1" in joined
     assert "trian: unknown section" in joined
-    assert len(problems) == 6
+    # consistency is checked in the same pass
+    assert "ppo.minibatch_size = 4 must divide ppo.batch_size = 10" in joined
+    assert "ppo.micro_batch_size = 8 must divide ppo.minibatch_size = 4" in joined
+    assert len(problems) == 8
 
 
 def test_inconsistent_pairs_are_reported():
@@ -74,6 +77,17 @@ def test_observer_template_must_show_the_pioneer():
     assert any("must contain {pioneer}" in p for p in problems_of(raw))
     raw["train"] = {"algorithm": "ppo"}  # no observer: the template does not matter
     recipe_from_dict(raw)
+
+
+def test_consistency_is_checked_beside_bad_values():
+    raw = {**MINIMAL, "ppo": {"learning_rat": 1, "minibatch_size": 3}, "train": {"iterations": "x"}}
+    joined = "\n".join(problems_of(raw))
+    assert "ppo.learning_rat: unknown key" in joined
+    assert 'train.iterations = "x": expected an integer' in joined
+    assert "ppo.minibatch_size = 3 must divide ppo.batch_size = 64" in joined
+    # a pair whose other half is itself wrong is not reported against the default
+    raw = {**MINIMAL, "ppo": {"batch_size": "many", "minibatch_size": 3, "micro_batch_size": 3}}
+    assert not any("must divide ppo.batch_size" in p for p in problems_of(raw))
 
 
 def test_required_keys():

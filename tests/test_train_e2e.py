@@ -86,7 +86,7 @@ def test_cory_run_writes_the_run_directory(tmp_path, recipe_file):
         assert config["base_model_name_or_path"] == load_recipe(recipe).model.name_or_path
         assert (adapter / "value_head.safetensors").exists()
         assert (adapter / "adapter_model.safetensors").exists()
-    assert "task reward, last 10" in result.stdout  # the summary table
+    assert "task reward, last 3" in result.stdout  # the summary table, over the real window
     assert "Traceback" not in result.stderr
 
 
