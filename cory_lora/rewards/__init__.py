@@ -23,7 +23,7 @@ from cory_lora.config import RewardConfig
 from cory_lora.errors import UserError
 from cory_lora.rewards.builtin import exact_match
 from cory_lora.rewards.gsm8k import gsm8k_accuracy
-from cory_lora.rewards.sentiment import DEFAULT_MODEL, sentiment_reward
+from cory_lora.rewards.sentiment import sentiment_reward
 
 BUILTIN: dict[str, Callable] = {
     "exact_match": exact_match,
@@ -133,12 +133,9 @@ def load_reward(cfg: RewardConfig | str, device: str = "cpu") -> Reward:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         parameters = {}
-    given = {
-        "model_name": cfg.model or (DEFAULT_MODEL if fn is sentiment_reward else ""),
-        "device": str(device),
-        "batch_size": cfg.batch_size,
-    }
-    bound = {k: v for k, v in given.items() if k in parameters and (k != "model_name" or v)}
+    # An empty reward.model leaves model_name to the function's own default.
+    given = {"model_name": cfg.model, "device": str(device), "batch_size": cfg.batch_size}
+    bound = {k: v for k, v in given.items() if k in parameters and v != ""}
     return Reward(cfg.function, functools.partial(fn, **bound) if bound else fn)
 
 
