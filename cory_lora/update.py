@@ -120,21 +120,30 @@ def sequences(gen: Generation) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def _agent_and_reference(agents: Agents, name: str, gen: Generation, micro_batch_size: int):
+    """Per micro-batch of episodes: (rows, agent logits [b, T+1, V], agent hidden [b, T+1, H],
+    reference logits [b, T+1, V]) over the response positions (T = response width)."""
+    input_ids, attention_mask = sequences(gen)
+    T = gen.response_ids.shape[1]
+    for rows in torch.arange(len(input_ids)).split(micro_batch_size):
+        ids, attn = input_ids[rows], attention_mask[rows]
+        with agents.use(name):
+            logits, hidden = agents.forward(ids, attn, T + 1)
+        with agents.reference():
+            ref_logits, _ = agents.forward(ids, attn, T + 1)
+        yield rows, logits, hidden, ref_logits
+
+
 @torch.no_grad()
 def sequence_kl(
     agents: Agents, name: str, gen: Generation, micro_batch_size: int, temperature: float
 ):
     """[B] sum over response tokens of logp - logp_ref of agent `name` (the reported KL)."""
-    input_ids, attention_mask = sequences(gen)
-    T = gen.response_ids.shape[1]
     out = []
-    for rows in torch.arange(len(input_ids)).split(micro_batch_size):
-        ids, attn, resp = input_ids[rows], attention_mask[rows], gen.response_ids[rows]
-        with agents.use(name):
-            logprobs = _logprobs(agents.forward(ids, attn, T + 1)[0], resp, temperature)
-        with agents.reference():
-            ref_logprobs = _logprobs(agents.forward(ids, attn, T + 1)[0], resp, temperature)
-        out.append(((logprobs - ref_logprobs) * gen.response_mask[rows]).sum(1))
+    for rows, logits, _, ref_logits in _agent_and_reference(agents, name, gen, micro_batch_size):
+        resp = gen.response_ids[rows]
+        log_ratio = _logprobs(logits, resp, temperature) - _logprobs(ref_logits, resp, temperature)
+        out.append((log_ratio * gen.response_mask[rows]).sum(1))
     return torch.cat(out)
 
 
@@ -154,14 +163,10 @@ def score_rollout(
     """
     input_ids, attention_mask = sequences(gen)
     response_ids, mask = gen.response_ids, gen.response_mask.float()
-    T = response_ids.shape[1]
     parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
-    for rows in torch.arange(len(input_ids)).split(cfg.micro_batch_size):
-        ids, attn, resp = input_ids[rows], attention_mask[rows], response_ids[rows]
-        with agents.use(name):
-            logits, hidden = agents.forward(ids, attn, T + 1)
-        with agents.reference():
-            ref_logits, _ = agents.forward(ids, attn, T + 1)
+    batches = _agent_and_reference(agents, name, gen, cfg.micro_batch_size)
+    for rows, logits, hidden, ref_logits in batches:
+        resp = response_ids[rows]
         logprobs = _logprobs(logits, resp, temperature)
         ref_logprobs = _logprobs(ref_logits, resp, temperature)
         parts["logprobs"].append(logprobs)
