@@ -58,15 +58,15 @@ class Episode:
     roles: Roles
     prompts: PromptSet  # the queries and their dataset columns
     pioneer_prompts: list[str]  # B prompt texts (before any chat template; rewards see these)
-    pioneer: Generation
+    pioneer_generation: Generation  # the pioneer's answers
     pioneer_rewards: torch.Tensor  # [B] task reward of the pioneer's answers
     observer_prompts: list[str] | None
-    observer: Generation | None
+    observer_generation: Generation | None
     observer_rewards: torch.Tensor | None  # [B]
     truncated_prompts: int  # prompts cut to data.max_prompt_tokens in this episode
 
     def generation_of(self, name: str) -> Generation:
-        return self.pioneer if name == self.roles.pioneer else self.observer
+        return self.pioneer_generation if name == self.roles.pioneer else self.observer_generation
 
     def task_reward_of(self, name: str) -> torch.Tensor:
         return self.pioneer_rewards if name == self.roles.pioneer else self.observer_rewards
@@ -80,6 +80,21 @@ class Episode:
             self.roles.pioneer: self_coef * p + other_coef * o,
             self.roles.observer: self_coef * o + other_coef * p,
         }
+
+    def reward_problem(self, scores: torch.Tensor, reward_name: str) -> str | None:
+        """Why `scores` [B] cannot be learned from (NaN/inf from the reward), naming the
+        samples; None when they can."""
+        if torch.isfinite(scores).all():
+            return None
+        parts = []
+        for role, rewards in (
+            ("pioneer", self.pioneer_rewards),
+            ("observer", self.observer_rewards),
+        ):
+            if rewards is not None and not torch.isfinite(rewards).all():
+                bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+                parts.append(f"the {role}'s answers {bad[:8]}")
+        return f"reward {reward_name!r} returned NaN/inf for {' and '.join(parts)}"
 
 
 def play_episode(
@@ -98,11 +113,21 @@ def play_episode(
         format_prompt(data.prompt_template, q, row)
         for q, row in zip(prompts.queries, rows, strict=True)
     ]
-    pioneer, cut = _answer(agents, roles.pioneer, pioneer_prompts, recipe, stopping, generator)
+    pioneer, truncated_pioneer = _answer(
+        agents, roles.pioneer, pioneer_prompts, recipe, stopping, generator
+    )
     pioneer_rewards = reward(pioneer_prompts, pioneer.texts, prompts.columns)
     if roles.observer is None:
         return Episode(
-            roles, prompts, pioneer_prompts, pioneer, pioneer_rewards, None, None, None, cut
+            roles,
+            prompts,
+            pioneer_prompts,
+            pioneer,
+            pioneer_rewards,
+            None,
+            None,
+            None,
+            truncated_pioneer,
         )
     observer_prompts = [
         format_prompt(
@@ -110,7 +135,9 @@ def play_episode(
         )
         for q, answer, row in zip(prompts.queries, pioneer.texts, rows, strict=True)
     ]
-    observer, cut_o = _answer(agents, roles.observer, observer_prompts, recipe, stopping, generator)
+    observer, truncated_observer = _answer(
+        agents, roles.observer, observer_prompts, recipe, stopping, generator
+    )
     observer_rewards = reward(pioneer_prompts, observer.texts, prompts.columns)
     return Episode(
         roles,
@@ -121,18 +148,20 @@ def play_episode(
         observer_prompts,
         observer,
         observer_rewards,
-        cut + cut_o,
+        truncated_pioneer + truncated_observer,
     )
 
 
 def _answer(agents, name, texts, recipe, stopping, generator) -> tuple[Generation, int]:
-    """Agent `name` answers each prompt text (chat-templated here when the recipe says so)."""
+    """Agent `name` answers each prompt text (chat-templated here when the recipe says so);
+    also returns how many prompts were cut to data.max_prompt_tokens."""
     data = recipe.data
     rendered = [render(agents.tokenizer, data, text) for text in texts]
-    ids, cut = encode_prompts(
+    ids, truncated = encode_prompts(
         agents.tokenizer, rendered, data.max_prompt_tokens, data.chat_template
     )
     with agents.use(name):
-        return generate(
+        generation = generate(
             agents.model, agents.tokenizer, ids, recipe.generation, stopping, generator
-        ), cut
+        )
+    return generation, truncated

@@ -7,12 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
-from cory_lora.cli import app
 from cory_lora.config import load_recipe
 
-from .conftest import tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import invoke, read_jsonl, write_recipe
 
 DESIGN_KEYS = (
     "role",
@@ -26,8 +25,7 @@ DESIGN_KEYS = (
 )
 
 
-def run_cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+run_cli = invoke
 
 
 @pytest.fixture
@@ -38,10 +36,6 @@ def recipe_file(tmp_path, tiny_model_dir, arith_file):
         )
 
     return make
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_cory_run_writes_the_run_directory(tmp_path, recipe_file):

@@ -7,15 +7,9 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from cory_lora.cli import app
-
-from .conftest import tiny_recipe_dict, write_recipe
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
+from .conftest import tiny_recipe_dict
+from .helpers import invoke, write_recipe
 
 
 @pytest.fixture
