@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from safetensors.torch import load_file
 
 from cory_lora.config import load_recipe
 
@@ -131,5 +132,18 @@ def test_nan_rewards_skip_updates_then_stop_the_run(tmp_path, recipe_file, monke
     assert [m["llm1/skipped_updates"] for m in metrics] == [1, 2, 3]
     assert metrics[-1]["llm1/policy_loss"] is None
     assert metrics[0]["llm1/task_reward"] == 1.0  # the mean of the finite rewards
-    # nothing was learned from poisoned scores: the checkpoints hold the initial (equal) agents
-    assert (out / "checkpoints" / "iter-000002").is_dir()
+    # nothing was learned from poisoned scores: the checkpoints hold the initial agents, equal to
+    # each other, their LoRA B matrices still zero (the base's own outputs)
+    for checkpoint in ("iter-000001", "iter-000002"):
+        agents = {
+            name: {
+                f"{file}/{key}": tensor
+                for file in ("adapter_model.safetensors", "value_head.safetensors")
+                for key, tensor in load_file(out / "checkpoints" / checkpoint / name / file).items()
+            }
+            for name in ("llm1", "llm2")
+        }
+        assert agents["llm1"].keys() == agents["llm2"].keys()
+        assert all(agents["llm1"][k].equal(agents["llm2"][k]) for k in agents["llm1"])
+        lora_b = [t for k, t in agents["llm1"].items() if "lora_B" in k]
+        assert lora_b and all(not t.any() for t in lora_b)

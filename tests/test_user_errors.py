@@ -132,13 +132,6 @@ def test_output_dir_exists(workspace):
     assert (foreign / "thesis.tex").read_text() == "years of work"
 
 
-def test_resume_from_an_empty_dir(workspace):
-    root, _ = workspace
-    (root / "empty").mkdir()
-    result = invoke("resume", root / "empty")
-    assert result.exit_code == 1 and "nothing to resume" in result.output
-
-
 def test_out_of_gpu_memory_names_the_keys_to_lower(workspace, monkeypatch):
     import cory_lora.train
 
