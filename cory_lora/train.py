@@ -148,8 +148,7 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
             episode.generation_of(name),
             scores[name],
             episode.reward_problem(scores[name], setup.reward.name),
-            recipe.ppo,
-            recipe.generation.scoring_temperature,
+            recipe,
             state.minibatch_rng,
         )
         for name in agents.names

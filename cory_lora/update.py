@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from cory_lora import faults, ppo
-from cory_lora.config import PPOConfig
+from cory_lora.config import PPOConfig, Recipe
 from cory_lora.generation import Generation
 from cory_lora.model import Agents
 from cory_lora.state import AgentState
@@ -85,8 +85,7 @@ def train_agent(
     generation: Generation,
     scores: torch.Tensor,
     reward_problem: str | None,
-    cfg: PPOConfig,
-    temperature: float,
+    recipe: Recipe,
     generator: torch.Generator,
 ) -> UpdateStats | Skipped:
     """Agent `name`'s whole step: score its episodes into a rollout, update it with PPO, then
@@ -94,8 +93,10 @@ def train_agent(
     it). NaN/inf anywhere (rewards, rollout, loss or gradient) skips the update instead,
     leaving the agent exactly as it was; `state` counts the skips.
 
-    generation: the agent's episodes; scores [B]: its score per episode (collective reward).
+    generation: the agent's episodes; scores [B]: its score per episode (collective reward);
+    reward_problem: why the scores cannot be learned from (Episode.reward_problem), or None.
     """
+    cfg, temperature = recipe.ppo, recipe.generation.scoring_temperature
     outcome = _update_or_skip(
         agents, name, state, generation, scores, reward_problem, cfg, temperature, generator
     )
