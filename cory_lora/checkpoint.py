@@ -4,6 +4,7 @@ A checkpoint is the directory `checkpoints/iter-NNNNNN/` (NNNNNN = iterations co
 
     llm1/, llm2/            PEFT adapters + value heads (safetensors)
     optimizer-llmK.pt       each agent's AdamW state (loaded with torch.load(weights_only=True))
+    ema-llmK.safetensors    with Elastic Reset: each agent's adapter EMA
     rng.pt                  torch generators: sampling, minibatch order, global CPU (and CUDA)
     state.json              `TrainerState.record()` (iteration, data order, KL coefficients,
                             score statistics, skip counters, Python and NumPy RNG states) and a
@@ -23,6 +24,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from cory_lora import faults
 from cory_lora.errors import UserError
@@ -54,6 +56,8 @@ def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: in
         agents.save(tmp)
         for name, agent in state.agents.items():
             torch.save(agent.optimizer.state_dict(), tmp / f"optimizer-{name}.pt")
+            if agent.ema is not None:
+                save_file(agent.ema.state_dict(), str(tmp / f"ema-{name}.safetensors"))
         torch.save(state.rng_tensors(), tmp / "rng.pt")
         faults.maybe_die("checkpoint")
         record = state.record()
@@ -84,6 +88,11 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> None:
             path / f"optimizer-{name}.pt", weights_only=True, map_location="cpu"
         )
         agent.optimizer.load_state_dict(optimizer_state)
+        if agent.ema is not None:
+            ema = path / f"ema-{name}.safetensors"
+            if not ema.is_file():
+                raise _corrupt(path, ema.name, "missing (the run has reset.every set)")
+            agent.ema.load_state_dict(load_file(str(ema)))
     state.load_rng_tensors(torch.load(path / "rng.pt", weights_only=True))
     state.load_record(record)
 

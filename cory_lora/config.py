@@ -1,10 +1,10 @@
 """Recipes: TOML files, one frozen dataclass per section, every problem reported at once.
 
 A recipe has the sections `model`, `lora`, `data`, `generation`, `reward`, `ppo`, `cory`,
-`train` and `log`. Each field carries its documentation in `metadata["doc"]`; `cory-lora keys`
-prints it and `docs/recipe.md` is generated from it (a test keeps the two equal). Writing a
-recipe back as TOML lives with the run directory (outputs.py), the resume policy with resuming
-(resume.py).
+`reset`, `train` and `log`. Each field carries its documentation in `metadata["doc"]`;
+`cory-lora keys` prints it and `docs/recipe.md` is generated from it (a test keeps the two
+equal). Writing a recipe back as TOML lives with the run directory (outputs.py), the resume
+policy with resuming (resume.py).
 
 Loading never stops at the first problem: unknown keys (by dotted path), wrong types,
 out-of-range values and inconsistent pairs are all collected, each as a `Problem(keys, text)`,
@@ -148,6 +148,12 @@ class GenerationConfig:
     batch_size: int = _opt(
         64, "Prompts per generation micro-batch: bounds the KV-cache memory.", gt=0
     )
+    length_range: tuple[int, ...] = _opt(
+        (),
+        "[lo, hi]: each iteration draws one response length n from [lo, hi) for the whole batch "
+        "and both roles, and samples at most n tokens (the paper's IMDB code: [4, 16], TRL's "
+        "LengthSampler); max_new_tokens stays the upper bound. Empty: always max_new_tokens.",
+    )
 
     @property
     def scoring_temperature(self) -> float:
@@ -211,19 +217,56 @@ class PPOConfig:
     )
     score_clip: float = _opt(0.0, "Clip scores (after scaling) to [-c, c]; 0 disables.", ge=0)
     whiten_advantages: bool = _opt(True, "Whiten advantages over each batch.")
+    ratio_threshold: float = _opt(
+        10.0,
+        "Skip a micro-batch's loss (zero it) when its mean policy ratio exceeds this (TRL 0.x's "
+        "guard against a diverging update); 0 disables.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
 class CoryConfig:
-    swap_every: int = _opt(5, "Exchange roles every this many iterations.", gt=0)
+    swap_every: int = _opt(
+        5,
+        "Exchange roles every this many iterations; 0 never exchanges them (the no-exchange "
+        "ablation).",
+        ge=0,
+    )
     self_coef: float = _opt(1.0, "Weight of an agent's own task reward in its score.")
     other_coef: float = _opt(
-        1.0, "Weight of the other agent's task reward (1 and 1: the paper's collective reward)."
+        1.0,
+        "Weight of the other agent's task reward: 1 with self_coef 1 is the paper's collective "
+        "reward; 0 self-only; -1 competitive.",
+    )
+    transfer: bool = _opt(
+        True,
+        "The observer reads the pioneer's answer (observer_template); false: it answers the plain "
+        "query like the pioneer (the no-knowledge-transfer ablation; with other_coef = 0: two "
+        "independent agents).",
+    )
+    reset_on_swap: bool = _opt(
+        False,
+        "At each role exchange, start both agents' optimizers, KL coefficients and score "
+        "statistics afresh (the paper's code rebuilds its trainers at a swap).",
     )
     observer_template: str = _opt(
         "{query}{pioneer}\n{query}",
         "Observer prompt over `{query}` (the query) and `{pioneer}` (the pioneer's response); "
         "it then goes through data.prompt_template's formatting rules.",
+    )
+
+
+@dataclass(frozen=True)
+class ResetConfig:
+    every: int = _opt(
+        0,
+        "Elastic Reset (Noukhovitch et al., NeurIPS 2023): every this many iterations, reset each "
+        "agent's adapter to its EMA, the EMA to the initial adapter, and its optimizer; 0: off.",
+        ge=0,
+    )
+    ema_decay: float = _opt(
+        0.995, "Decay of the adapter's EMA, updated after every PPO update.", gt=0, lt=1
     )
 
 
@@ -266,6 +309,7 @@ class Recipe:
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     cory: CoryConfig = field(default_factory=CoryConfig)
+    reset: ResetConfig = field(default_factory=ResetConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -399,9 +443,10 @@ def _coerce(value, expected):
             return dict(value), None
         return None, 'expected a table of strings, e.g. { old = "new" }'
     if typing.get_origin(expected) is tuple:
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value), None
-        return None, "expected a list of strings"
+        item = typing.get_args(expected)[0]
+        if isinstance(value, list) and all(_coerce(v, item)[1] is None for v in value):
+            return tuple(_coerce(v, item)[0] for v in value), None
+        return None, f"expected a list of {'strings' if item is str else 'integers'}"
     raise TypeError(f"unsupported recipe field type {expected}")
 
 
@@ -458,6 +503,17 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             "generation.min_new_tokens generation.max_new_tokens",
             f"generation.min_new_tokens = {g.min_new_tokens} exceeds "
             f"generation.max_new_tokens = {g.max_new_tokens}",
+        )
+    if g.length_range and not (
+        len(g.length_range) == 2
+        and max(1, g.min_new_tokens) <= g.length_range[0] < g.length_range[1]
+        and g.length_range[1] <= g.max_new_tokens + 1
+    ):
+        problem(
+            "generation.length_range generation.max_new_tokens generation.min_new_tokens",
+            f"generation.length_range = {list(g.length_range)}: need [lo, hi] with "
+            f"max(1, generation.min_new_tokens) <= lo < hi <= generation.max_new_tokens + 1 = "
+            f"{g.max_new_tokens + 1} (hi is exclusive)",
         )
     d = r.data
     if (

@@ -13,11 +13,15 @@ Where we depart from the paper's code:
   roles are a pure function of the iteration, so they need no state of their own.
 * With `train.algorithm = "ppo"` the same episode has no observer: single-agent PPO on the same
   engine, so the baseline differs from CORY only by the algorithm.
+
+Ablations (recipe keys): `cory.transfer = false` (the observer does not see the pioneer's
+answer), `cory.swap_every = 0` (roles never exchanged), `cory.other_coef` 0 (self-only) or -1
+(competitive), and both of the first with other_coef 0: two independent agents.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,9 +50,25 @@ class Roles:
 
 def roles_at(iteration: int, swap_every: int, names: tuple[str, ...]) -> Roles:
     """Roles during `iteration` (0-based): llm1 pioneers first, then every swap_every iterations
-    the roles are exchanged."""
+    the roles are exchanged (swap_every = 0: never)."""
     roles = Roles(names[0], names[1] if len(names) > 1 else None)
-    return roles.swapped() if (iteration // swap_every) % 2 else roles
+    return roles.swapped() if swap_every and (iteration // swap_every) % 2 else roles
+
+
+def exchanges_roles_at(iteration: int, swap_every: int) -> bool:
+    """Whether the roles of `iteration` (0-based) differ from those of the iteration before."""
+    return swap_every > 0 and iteration > 0 and iteration % swap_every == 0
+
+
+def draw_response_length(recipe: Recipe, generator: torch.Generator) -> Recipe:
+    """The recipe for one iteration: with generation.length_range = [lo, hi], at most n new
+    tokens, n drawn from [lo, hi) once for the whole batch and both roles (the paper's IMDB
+    code); otherwise the recipe itself (nothing is drawn, the generator is untouched)."""
+    if not recipe.generation.length_range:
+        return recipe
+    lo, hi = recipe.generation.length_range
+    n = int(torch.randint(lo, hi, (1,), generator=generator, device=generator.device))
+    return replace(recipe, generation=replace(recipe.generation, max_new_tokens=n))
 
 
 @dataclass(frozen=True)
@@ -129,12 +149,17 @@ def play_episode(
             None,
             truncated_pioneer,
         )
-    observer_prompts = [
-        format_prompt(
-            data.prompt_template, recipe.cory.observer_template.format(query=q, pioneer=answer), row
-        )
-        for q, answer, row in zip(prompts.queries, pioneer.texts, rows, strict=True)
-    ]
+    if recipe.cory.transfer:
+        observer_prompts = [
+            format_prompt(
+                data.prompt_template,
+                recipe.cory.observer_template.format(query=q, pioneer=answer),
+                row,
+            )
+            for q, answer, row in zip(prompts.queries, pioneer.texts, rows, strict=True)
+        ]
+    else:  # the no-transfer ablation: the observer answers the query as the pioneer does
+        observer_prompts = list(pioneer_prompts)
     observer, truncated_observer = _answer(
         agents, roles.observer, observer_prompts, recipe, stopping, generator
     )

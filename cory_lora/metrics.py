@@ -16,6 +16,10 @@ def finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _finite(x: float | None) -> float | None:
+    return None if x is None else finite_or_none(x)
+
+
 def iteration_metrics(
     iteration: int,
     episode: Episode,
@@ -38,7 +42,8 @@ def iteration_metrics(
         metrics |= {
             f"{name}/role": episode.roles.role_of(name),
             f"{name}/task_reward": task,
-            f"{name}/kl": finite_or_none(kl) if kl is not None else None,
+            f"{name}/kl": _finite(kl),
+            f"{name}/kl_penalty": _finite(update["kl_penalty"]),
             f"{name}/combined_reward": combined,
             f"{name}/score": finite_or_none(float(scores[name].mean())),
             f"{name}/kl_coef": update["kl_coef"],

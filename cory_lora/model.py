@@ -94,10 +94,13 @@ class Agents:
         """Agent `name`'s value estimates. hidden [B, T, H] -> [B, T] float32."""
         return self.value_heads[name](hidden.float()).squeeze(-1)
 
+    def lora_parameters(self, name: str) -> list[torch.nn.Parameter]:
+        """Agent `name`'s LoRA matrices (its policy, on top of the shared base)."""
+        return [p for n, p in self.model.named_parameters() if is_lora_of(n, name)]
+
     def trainable_parameters(self, name: str) -> list[torch.nn.Parameter]:
         """Agent `name`'s own parameters: its LoRA matrices and its value head."""
-        lora = [p for n, p in self.model.named_parameters() if is_lora_of(n, name)]
-        return lora + list(self.value_heads[name].parameters())
+        return self.lora_parameters(name) + list(self.value_heads[name].parameters())
 
     def stopping(self, stop_strings: tuple[str, ...]) -> Stopping:
         """EOS ids from the tokenizer and the model's generation config, plus `stop_strings`."""

@@ -153,6 +153,7 @@ class PolicyLoss(NamedTuple):
     loss: torch.Tensor  # scalar, differentiable
     clipped_tokens: torch.Tensor  # scalar count of tokens where the clipped term was active
     approx_kl_sum: torch.Tensor  # scalar, sum over tokens of 0.5 * (log ratio)^2
+    ratio_sum: torch.Tensor  # scalar, sum over tokens of the ratio (for its mean)
 
 
 def policy_loss(
@@ -175,7 +176,8 @@ def policy_loss(
     with torch.no_grad():
         clipped_tokens = ((clipped > unclipped).float() * mask).sum()
         approx_kl_sum = (0.5 * log_ratio**2 * mask).sum()
-    return PolicyLoss(loss, clipped_tokens, approx_kl_sum)
+        ratio_sum = (ratio * mask).sum()
+    return PolicyLoss(loss, clipped_tokens, approx_kl_sum, ratio_sum)
 
 
 def value_loss(

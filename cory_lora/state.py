@@ -17,6 +17,7 @@ import torch
 from cory_lora import ppo
 from cory_lora.config import PPOConfig, Recipe
 from cory_lora.data import PromptOrder
+from cory_lora.elastic import AdapterEMA
 from cory_lora.model import Agents
 
 FORMAT = 1  # of the checkpoint record; bump when its meaning changes
@@ -31,14 +32,30 @@ class AgentState:
     score_moments: ppo.RunningMoments | None
     bad_streak: int = 0  # consecutive iterations whose update was skipped
     skipped: int = 0  # skipped updates in the whole run
+    ema: AdapterEMA | None = None  # Elastic Reset's moving average of the adapter
+
+    def restart(self, cfg: PPOConfig) -> None:
+        """Optimizer moments, KL coefficient and score statistics start afresh (the paper's
+        code rebuilds its trainers at each role exchange)."""
+        self.optimizer.state.clear()
+        self.kl_ctl = _kl_controller(cfg)
+        self.score_moments = ppo.RunningMoments() if cfg.score_scaling else None
 
 
-def new_agent_state(agents: Agents, name: str, cfg: PPOConfig) -> AgentState:
+def _kl_controller(cfg: PPOConfig) -> ppo.KLController:
+    return ppo.KLController(cfg.init_kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
+
+
+def new_agent_state(agents: Agents, name: str, recipe: Recipe) -> AgentState:
+    cfg = recipe.ppo
     optimizer = torch.optim.AdamW(
         agents.trainable_parameters(name), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
     )
-    kl_ctl = ppo.KLController(cfg.init_kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
-    return AgentState(optimizer, kl_ctl, ppo.RunningMoments() if cfg.score_scaling else None)
+    moments = ppo.RunningMoments() if cfg.score_scaling else None
+    ema = None
+    if recipe.reset.every:
+        ema = AdapterEMA(agents.lora_parameters(name), recipe.reset.ema_decay)
+    return AgentState(optimizer, _kl_controller(cfg), moments, ema=ema)
 
 
 def seed_everything(seed: int) -> None:
@@ -63,7 +80,7 @@ class TrainerState:
         return cls(
             iteration=0,
             order=PromptOrder(n_prompts, seed),
-            agents={name: new_agent_state(agents, name, recipe.ppo) for name in agents.names},
+            agents={name: new_agent_state(agents, name, recipe) for name in agents.names},
             sampling_rng=torch.Generator(agents.device).manual_seed(seed),
             minibatch_rng=torch.Generator().manual_seed(seed + 1),
         )

@@ -3,14 +3,17 @@ iteration with a checkpoint when due, then the final adapters.
 
 One iteration (the numbered steps of `train_iteration`):
 1. Roles: which agent pioneers and which observes, a function of the iteration (exchanged every
-   `cory.swap_every` iterations: `cory.roles_at`), so role exchange has no state.
-2. Rollout: a batch of queries; the pioneer answers, the observer answers after reading the
-   pioneer's answer, and the task reward scores both answers (`cory.play_episode`).
+   `cory.swap_every` iterations: `cory.roles_at`), so role exchange has no state; with
+   `cory.reset_on_swap` both agents' optimizers, KL coefficients and score statistics restart.
+2. Rollout: a batch of queries (and, with `generation.length_range`, this iteration's response
+   length); the pioneer answers, the observer answers after reading the pioneer's answer, and
+   the task reward scores both answers (`cory.play_episode`).
 3. Scores: each agent is paid `self_coef * r_own + other_coef * r_other` (1 and 1: the paper's
    collective reward; PPO: its own reward).
 4. Each agent learns on its own (`update.train_agent`): logprobs, values, reference logprobs and
    KL penalty, GAE advantages, PPO epochs with its own optimizer, then its KL coefficient moves.
-   NaN/inf anywhere skips that agent's update and leaves it as it was.
+   NaN/inf anywhere skips that agent's update and leaves it as it was. With Elastic Reset
+   (`reset.every`), every agent's adapter is reset to its EMA when due.
 5. Log: metrics.jsonl, samples.jsonl and the display; stop when an agent's updates keep failing.
 6. (in `run`) Checkpoint when due, at the end, or when Ctrl-C asked to stop.
 
@@ -31,7 +34,13 @@ import torch
 from cory_lora.checkpoint import list_checkpoints, save_checkpoint
 from cory_lora.config import Recipe
 from cory_lora.console import Display
-from cory_lora.cory import Episode, play_episode, roles_at
+from cory_lora.cory import (
+    Episode,
+    draw_response_length,
+    exchanges_roles_at,
+    play_episode,
+    roles_at,
+)
 from cory_lora.data import PromptSet, load_prompts
 from cory_lora.errors import UserError
 from cory_lora.generation import Stopping
@@ -129,12 +138,16 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     """One iteration, steps 1-5 of the module docstring. Returns its metrics."""
     recipe, agents = setup.recipe, setup.agents
     started = time.perf_counter()
-    # 1. Roles: exchanged every cory.swap_every iterations.
+    # 1. Roles: exchanged every cory.swap_every iterations (optionally restarting the agents).
     roles = roles_at(state.iteration, recipe.cory.swap_every, agents.names)
+    if recipe.cory.reset_on_swap and exchanges_roles_at(state.iteration, recipe.cory.swap_every):
+        for agent in state.agents.values():
+            agent.restart(recipe.ppo)
     # 2. Rollout: the pioneer answers, then the observer answers after reading it; both scored.
     batch = setup.prompts.take(state.order.next(recipe.ppo.batch_size))
+    this_iteration = draw_response_length(recipe, state.sampling_rng)
     episode = play_episode(
-        agents, roles, batch, recipe, setup.reward, setup.stopping, state.sampling_rng
+        agents, roles, batch, this_iteration, setup.reward, setup.stopping, state.sampling_rng
     )
     generated = time.perf_counter()
     # 3. Scores: own and (in CORY) the other's task reward.
@@ -154,6 +167,10 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
         for name in agents.names
     }
     state.iteration += 1
+    if recipe.reset.every and state.iteration % recipe.reset.every == 0:
+        for agent in state.agents.values():
+            agent.ema.reset()
+            agent.optimizer.state.clear()
     # 5. Log; stop when an agent's updates keep failing.
     metrics = iteration_metrics(
         state.iteration, episode, scores, outcomes, state.agents, recipe.log.eta

@@ -44,7 +44,15 @@ class Rollout:
         return ((self.logprobs - self.ref_logprobs) * self.mask).sum(1)
 
 
-LOSS_KEYS = ("policy_loss", "value_loss", "clipfrac", "approx_kl", "entropy", "grad_norm")
+LOSS_KEYS = (
+    "policy_loss",
+    "value_loss",
+    "clipfrac",
+    "approx_kl",
+    "entropy",
+    "grad_norm",
+    "ratio_skipped",
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class UpdateStats:
     """An agent's update happened. kl and kl_coef describe the rollout it learned from."""
 
     kl: float  # mean sequence KL (k1) of the rollout
+    kl_penalty: float  # mean over episodes of the summed per-token KL the penalty used
     kl_coef: float  # the beta the rollout's rewards were penalised with
     policy_loss: float
     value_loss: float
@@ -59,6 +68,7 @@ class UpdateStats:
     approx_kl: float
     entropy: float
     grad_norm: float
+    ratio_skipped: float  # share of micro-batches zeroed by ppo.ratio_threshold
 
     def metrics(self) -> dict:
         return dataclasses.asdict(self) | {"update_skipped": 0}
@@ -70,12 +80,12 @@ class Skipped:
 
     reason: str
     kl: float | None  # of the rollout, when one could be scored
+    kl_penalty: float | None
     kl_coef: float
 
     def metrics(self) -> dict:
-        return {"kl": self.kl, "kl_coef": self.kl_coef, "update_skipped": 1} | dict.fromkeys(
-            LOSS_KEYS
-        )
+        known = {"kl": self.kl, "kl_penalty": self.kl_penalty, "kl_coef": self.kl_coef}
+        return known | {"update_skipped": 1} | dict.fromkeys(LOSS_KEYS)
 
 
 def train_agent(
@@ -91,7 +101,8 @@ def train_agent(
     """Agent `name`'s whole step: score its episodes into a rollout, update it with PPO, then
     move its KL coefficient with the rollout's KL (beta changes after the iteration that used
     it). NaN/inf anywhere (rewards, rollout, loss or gradient) skips the update instead,
-    leaving the agent exactly as it was; `state` counts the skips.
+    leaving the agent exactly as it was; `state` counts the skips. With Elastic Reset the
+    adapter's EMA follows each update.
 
     generation: the agent's episodes; scores [B]: its score per episode (collective reward);
     reward_problem: why the scores cannot be learned from (Episode.reward_problem), or None.
@@ -111,12 +122,15 @@ def _update_or_skip(
 ):
     kl_coef = state.kl_ctl.value
     if reward_problem is not None:
-        return Skipped(reward_problem, None, kl_coef)
+        return Skipped(reward_problem, None, None, kl_coef)
     rollout = make_rollout(agents, name, generation, scores, state, cfg, temperature)
     kl = float(rollout.sequence_kl.mean())
+    # The controller follows the KL the penalty uses (k1, k3 or full), summed per episode, as
+    # TRL 0.x's does; `kl` (always k1) is what we report, so runs compare whatever the penalty.
+    kl_penalty = float(rollout.kl.sum(1).mean())
     problem = first_non_finite(rollout)
     if problem:
-        return Skipped(f"non-finite {problem}", kl, kl_coef)
+        return Skipped(f"non-finite {problem}", kl, kl_penalty, kl_coef)
     params = agents.trainable_parameters(name)
     saved_params = [p.detach().clone() for p in params]
     saved_optimizer = copy.deepcopy(state.optimizer.state_dict())
@@ -127,9 +141,11 @@ def _update_or_skip(
             for p, saved in zip(params, saved_params, strict=True):
                 p.copy_(saved)
         state.optimizer.load_state_dict(saved_optimizer)
-        return Skipped(str(e), kl, kl_coef)
-    state.kl_ctl.update(kl, len(scores))
-    return UpdateStats(kl, kl_coef, **losses)
+        return Skipped(str(e), kl, kl_penalty, kl_coef)
+    state.kl_ctl.update(kl_penalty, len(scores))
+    if state.ema is not None:
+        state.ema.update()
+    return UpdateStats(kl, kl_penalty, kl_coef, **losses)
 
 
 class NonFiniteUpdate(Exception):
@@ -256,9 +272,9 @@ def ppo_update(
     params = agents.trainable_parameters(name)
     T = rollout.response_ids.shape[1]
     # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
-    keys = ("policy", "value", "clipped", "approx_kl", "entropy", "grad_norm", "tokens")
+    keys = ("policy", "value", "clipped", "approx_kl", "entropy", "grad_norm", "tokens", "skips")
     sums = {k: torch.zeros((), device=rollout.mask.device) for k in keys}
-    steps = 0
+    steps = micro_batches = 0
     agents.model.train()  # LoRA dropout, if any, acts in updates only; base dropout is off
     try:
         with agents.use(name):
@@ -291,11 +307,22 @@ def ppo_update(
                             cfg.value_clip_range,
                             n_tokens,
                         )
-                        (pg.loss + cfg.vf_coef * vf).backward()
+                        loss = pg.loss + cfg.vf_coef * vf
+                        if cfg.ratio_threshold:
+                            # TRL 0.x's guard: a micro-batch whose mean ratio explodes teaches
+                            # nothing; multiplying by a 0/1 tensor avoids a CPU-GPU sync.
+                            mean_ratio = pg.ratio_sum / mask.sum().clamp(min=1)
+                            keep = (mean_ratio <= cfg.ratio_threshold).float()
+                            loss, pg_loss, vf = loss * keep, pg.loss * keep, vf * keep
+                            sums["skips"] += 1 - keep
+                        else:
+                            pg_loss = pg.loss
+                        loss.backward()
+                        micro_batches += 1
                         with torch.no_grad():
                             entropy = ppo.entropy(logits[:, :-1])
                             sums["entropy"] += (entropy * mask).sum()
-                            sums["policy"] += pg.loss.detach()
+                            sums["policy"] += pg_loss.detach()
                             sums["value"] += vf.detach()
                             sums["clipped"] += pg.clipped_tokens
                             sums["approx_kl"] += pg.approx_kl_sum
@@ -319,4 +346,5 @@ def ppo_update(
         "approx_kl": totals["approx_kl"] / totals["tokens"],
         "entropy": totals["entropy"] / totals["tokens"],
         "grad_norm": totals["grad_norm"] / steps,
+        "ratio_skipped": totals["skips"] / micro_batches,
     }

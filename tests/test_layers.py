@@ -13,7 +13,7 @@ import pytest
 from .helpers import ROOT
 
 LAYERS = [
-    {"errors", "faults", "ppo", "console", "tiny"},
+    {"errors", "faults", "ppo", "console", "tiny", "elastic"},
     {"config"},
     {"outputs", "data", "generation", "rewards"},
     {"model"},

@@ -53,7 +53,7 @@ def one_update(agents, recipe, name, seed=0):
     )
     # a non-zero score so the policy gradient is not zero
     scores = episode.pioneer_rewards + torch.linspace(-1, 1, len(episode.pioneer_rewards))
-    state = new_agent_state(agents, name, recipe.ppo)
+    state = new_agent_state(agents, name, recipe)
     rollout = make_rollout(agents, name, episode.pioneer_generation, scores, state, recipe.ppo, 1.0)
     return ppo_update(
         agents, name, state, rollout, recipe.ppo, 1.0, torch.Generator().manual_seed(seed)
