@@ -174,6 +174,7 @@ def test_imdb_recipes_run_tiny_and_plot_together(
             f"reward.model={tiny_classifier}",
             "reward.batch_size=4",
             "generation.min_new_tokens=2",
+            "generation.length_range=[2, 5]",
         )
         result = run("run", ROOT / "recipes" / recipe, *overrides, "--output-dir", out, "--quiet")
         assert result.exit_code == 0, result.output
