@@ -20,7 +20,7 @@ from rich.console import Console
 
 from cory_lora.config import SECTIONS, load_recipe
 from cory_lora.errors import UserError
-from cory_lora.interrupts import STOPPED_AT_ONCE
+from cory_lora.interrupts import STOPPED_AT_ONCE, Interrupted
 from cory_lora.outputs import check_holds_a_run, recipe_toml, toml_value
 
 app = typer.Typer(
@@ -261,6 +261,59 @@ def plan(
     console.print(f"{memory.peak / GB:.1f} GiB {verdict} in {gpu_gb:g} GiB", highlight=False)
     if not memory.fits(gpu_gb):
         raise typer.Exit(1)
+
+
+StudyArg = Annotated[Path, typer.Argument(help="Study TOML file.", show_default=False)]
+
+
+@app.command()
+def study(
+    study_file: StudyArg,
+    set_: SetOpt = None,
+    output_dir: Annotated[
+        Path | None, typer.Option(help="Study directory (default: runs/<study file name>).")
+    ] = None,
+) -> None:
+    """Run every (arm, grid point, seed) of a study, then write its report. Run it again to
+    resume: finished runs are skipped, an interrupted one resumes from its checkpoint."""
+    with user_errors():
+        from cory_lora.console import StudyDisplay
+        from cory_lora.report import write_report
+        from cory_lora.study import StudyRunner, default_study_dir, load_study
+
+        plan, runs = load_study(study_file, tuple(set_ or ()))
+        path = default_study_dir(plan, str(output_dir) if output_dir else None)
+        console.print(f"[bold]study[/] {study_file} -> [bold]{path}[/]", highlight=False)
+        try:
+            records = StudyRunner(plan, runs, path, StudyDisplay(console)).run()
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"study interrupted; the run in progress checkpointed. Continue with: "
+                f"cory-lora study {study_file} --output-dir {path}"
+            ) from None
+        failed = [r for r in records.values() if r["status"] != "done"]
+        write_report(path)
+    console.print(f"written {path / 'report.md'}", highlight=False)
+    if failed:
+        error_console.print(
+            f"[bold red]{len(failed)} run(s) failed[/] (listed in the report): "
+            + ", ".join(r["id"] for r in failed),
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1)
+
+
+@app.command()
+def report(
+    study_dir: Annotated[Path, typer.Argument(help="Study directory.", show_default=False)],
+) -> None:
+    """(Re)write a study's report from its run directories: report.md, report.json, figures."""
+    with user_errors():
+        from cory_lora.report import write_report
+
+        write_report(study_dir)
+    console.print(f"written {study_dir / 'report.md'}", highlight=False)
 
 
 @app.command()

@@ -127,3 +127,65 @@ class Display:
             table.add_row("both", *cells, "")
         self.console.print(table)
         self.console.print(f"outputs in {run_dir}", highlight=False)
+
+
+class StudyDisplay:
+    """Progress of a study: runs done out of all, and the iterations of the run in progress
+    (a rich view on a terminal, else one plain line when a run starts and when it ends)."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.live = console.is_terminal
+        self._progress: Progress | None = None
+        self._overall = self._current = None
+        self._records: dict = {}
+
+    def start(self, runs, records) -> None:
+        self._records = records
+        done = sum(r["status"] == "done" for r in records.values())
+        self.console.print(
+            f"study: {len(runs)} runs, {done} already done", highlight=False, soft_wrap=True
+        )
+        if not self.live:
+            return
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+        )
+        self._progress.start()
+        self._overall = self._progress.add_task("[bold]runs", total=len(runs), completed=done)
+
+    def begin(self, run, state: str) -> None:
+        verb = {"resume": "resuming", "fresh": "running"}[state]
+        if self._progress is None:
+            self.console.print(f"{verb} {run.id}", highlight=False, soft_wrap=True)
+            return
+        if self._current is not None:
+            self._progress.remove_task(self._current)
+        self._current = self._progress.add_task(f"{verb} {run.id}", total=run.iterations)
+
+    def progress(self, run, iterations_done: int) -> None:
+        if self._progress is not None and self._current is not None:
+            self._progress.update(self._current, completed=iterations_done)
+
+    def end(self, run, record: dict) -> None:
+        text = f"{run.id}: {record['status']}"
+        if record["error"]:
+            text += f" ({record['error']})"
+        if self._progress is None:
+            self.console.print(text, highlight=False, soft_wrap=True)
+            return
+        done = sum(r["status"] == "done" for r in self._records.values())
+        self._progress.update(self._overall, completed=done)
+        if record["status"] != "done":
+            self._progress.console.print(text, highlight=False, soft_wrap=True)
+
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

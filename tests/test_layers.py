@@ -21,7 +21,8 @@ LAYERS = [
     {"cory", "update"},
     {"checkpoint", "metrics", "plots"},
     {"resume", "interrupts"},
-    {"train", "evaluate"},
+    {"train", "evaluate", "study"},
+    {"report"},
     {"cli"},
 ]
 LAYER_OF = {module: i for i, layer in enumerate(LAYERS) for module in layer}

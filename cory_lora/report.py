@@ -1,0 +1,305 @@
+"""A study's report, computed from its run directories alone (metrics.jsonl, eval.json), so it
+can be rebuilt at any time: report.md, report.json, curves.png and frontier.png.
+
+Per arm and grid point, over seeds: the final-window task reward, KL and combined reward of
+training (each run: the mean over its last `window` iterations and over its agents), and, when
+the runs were evaluated, the same on held-out prompts (each agent alone; accuracy and pass@k
+when the reward is 0/1). Each as the mean, the standard deviation over seeds, a 95% bootstrap
+interval of the mean (percentile bootstrap over seeds, 10,000 resamples, as rliable recommends
+for few runs) and every seed's value. The frontier puts one point per (arm, grid point) in the
+task reward–KL plane with error bars over seeds, labels it, and marks, for each η of the study,
+each arm's best point under task − η·KL.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from cory_lora.errors import UserError
+from cory_lora.outputs import atomic_file, atomic_write_text, read_jsonl, toml_value
+from cory_lora.study import STATE_FILE
+
+METRICS = ("task_reward", "kl", "combined_reward")
+BOOTSTRAP_RESAMPLES = 10_000
+SHORT_NAMES = {"ppo.init_kl_coef": "β", "cory.other_coef": "other", "reset.every": "reset"}
+
+
+def summarise(values: list[float], seed: int = 0) -> dict:
+    """Mean, sample std, 95% percentile-bootstrap interval of the mean, and the values."""
+    x = np.asarray(values, dtype=float)
+    if len(x) == 0:
+        return {"mean": None, "std": None, "ci95": [None, None], "values": [], "n": 0}
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(BOOTSTRAP_RESAMPLES, len(x)))].mean(axis=1)
+    return {
+        "mean": float(x.mean()),
+        "std": float(x.std(ddof=1)) if len(x) > 1 else 0.0,
+        "ci95": [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))],
+        "values": [float(v) for v in x],
+        "n": len(x),
+    }
+
+
+def run_final(metrics: list[dict], window: int) -> dict[str, float | None]:
+    """A run's final-window means: over its last `window` iterations and over its agents."""
+    tail = metrics[-window:]
+    agents = sorted({k.split("/")[0] for k in tail[0] if k.startswith("llm")}) if tail else []
+    out = {}
+    for key in METRICS:
+        values = [m[f"{a}/{key}"] for m in tail for a in agents if m.get(f"{a}/{key}") is not None]
+        out[key] = sum(values) / len(values) if values else None
+    return out
+
+
+def run_heldout(evaluation: dict) -> dict[str, float | None]:
+    """Held-out figures of a run: the mean over its agents evaluated alone."""
+    rows = [r for r in evaluation["rows"] if r["name"].startswith("llm") and "→" not in r["name"]]
+    out = {}
+    for key in (*METRICS, "accuracy"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        out[key] = sum(values) / len(values) if values else None
+    for k in evaluation.get("k", []):
+        values = [r["pass_at"][str(k)] for r in rows if str(k) in r.get("pass_at", {})]
+        if values:
+            out[f"pass@{k}"] = sum(values) / len(values)
+    return out
+
+
+def point_label(arm: str, grid: dict) -> str:
+    parts = [f"{SHORT_NAMES.get(k, k.split('.')[-1])}={toml_value(v)}" for k, v in grid.items()]
+    return " ".join([arm, *parts])
+
+
+def build_report(study_dir: Path) -> dict:
+    """Every number of the report, from the study's run directories."""
+    study_dir = Path(study_dir)
+    state_path = study_dir / STATE_FILE
+    if not state_path.is_file():
+        raise UserError(f"{study_dir}: not a study directory (no {STATE_FILE})")
+    state = json.loads(state_path.read_text())
+    window = state["window"]
+    groups: dict[str, dict] = {}
+    failed = []
+    for record in state["runs"]:
+        run_dir = study_dir / record["dir"]
+        label = point_label(record["arm"], record["grid"])
+        group = groups.setdefault(
+            label,
+            {"arm": record["arm"], "grid": record["grid"], "train": [], "heldout": [], "runs": []},
+        )
+        metrics = (
+            read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+        )
+        if record["status"] != "done" or not metrics:
+            failed.append(
+                {"id": record["id"], "status": record["status"], "error": record["error"]}
+            )
+            continue
+        group["runs"].append(record["id"])
+        group["train"].append(run_final(metrics, window) | {"seed": record["seed"]})
+        if (run_dir / "eval.json").is_file():
+            evaluation = json.loads((run_dir / "eval.json").read_text())
+            group["heldout"].append(run_heldout(evaluation) | {"seed": record["seed"]})
+    points = []
+    for label, group in groups.items():
+        point = {"label": label, "arm": group["arm"], "grid": group["grid"], "runs": group["runs"]}
+        for part in ("train", "heldout"):
+            rows = group[part]
+            keys = sorted({k for r in rows for k in r if k != "seed"})
+            point[part] = {k: summarise([r[k] for r in rows if r.get(k) is not None]) for k in keys}
+            point[part]["seeds"] = [r["seed"] for r in rows]
+        points.append(point)
+    best = {part: _best_per_eta(points, state["etas"], part) for part in ("train", "heldout")}
+    return {
+        "study": state["study"],
+        "window": window,
+        "etas": state["etas"],
+        "points": points,
+        "best": best,
+        "failed": failed,
+    }
+
+
+def _best_per_eta(points: list[dict], etas: list[float], part: str) -> list[dict]:
+    """For each η and arm: the point with the highest mean task − η·mean KL."""
+    out = []
+    for eta in etas:
+        for arm in dict.fromkeys(p["arm"] for p in points):
+            scored = [
+                (p[part]["task_reward"]["mean"] - eta * p[part]["kl"]["mean"], p["label"])
+                for p in points
+                if p["arm"] == arm
+                and p[part].get("task_reward", {}).get("mean") is not None
+                and p[part].get("kl", {}).get("mean") is not None
+            ]
+            if scored:
+                value, label = max(scored)
+                out.append({"eta": eta, "arm": arm, "label": label, "objective": value})
+    return out
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _cell(summary: dict | None) -> str:
+    if not summary or summary.get("mean") is None:
+        return "–"
+    low, high = summary["ci95"]
+    seeds = ", ".join(f"{v:.3f}" for v in summary["values"])
+    return f"{summary['mean']:.3f} ± {summary['std']:.3f} [{low:.3f}, {high:.3f}] ({seeds})"
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# Study report: {report['study']}",
+        "",
+        f"Final window: the last {report['window']} iterations of each run, averaged over its "
+        "agents. Each cell: mean ± std over seeds [95% bootstrap interval of the mean] "
+        "(every seed's value).",
+        "",
+    ]
+    for part, title in (("train", "Training"), ("heldout", "Held-out evaluation")):
+        keys = [
+            k
+            for k in ("task_reward", "kl", "combined_reward", "accuracy")
+            if any(k in p[part] for p in report["points"])
+        ]
+        keys += sorted({k for p in report["points"] for k in p[part] if k.startswith("pass@")})
+        if not keys:
+            continue
+        lines += [f"## {title}", "", "| arm | " + " | ".join(keys) + " |"]
+        lines.append("|---" * (len(keys) + 1) + "|")
+        for p in report["points"]:
+            lines.append(
+                f"| {p['label']} | " + " | ".join(_cell(p[part].get(k)) for k in keys) + " |"
+            )
+        lines.append("")
+        best = report["best"][part]
+        if best:
+            lines += [f"Best point per arm under task − η·KL ({title.lower()}):", ""]
+            lines += [f"* η = {b['eta']:g}: {b['label']} ({b['objective']:.3f})" for b in best]
+            lines.append("")
+    if report["failed"]:
+        lines += ["## Runs not in the report", ""]
+        lines += [
+            f"* {f['id']}: {f['status']}" + (f" — {f['error']}" if f["error"] else "")
+            for f in report["failed"]
+        ]
+        lines.append("")
+    lines += ["![frontier](frontier.png)", "", "![curves](curves.png)", ""]
+    return "\n".join(lines)
+
+
+def plot_frontier(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [
+        p
+        for p in ("train", "heldout")
+        if any("kl" in q[p] and q[p]["kl"]["mean"] is not None for q in report["points"])
+    ]
+    fig, axes = plt.subplots(1, max(1, len(parts)), figsize=(7.5 * max(1, len(parts)), 6))
+    axes = np.atleast_1d(axes)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    arms = list(dict.fromkeys(p["arm"] for p in report["points"]))
+    for ax, part in zip(axes, parts, strict=False):
+        for p in report["points"]:
+            task, kl = p[part].get("task_reward"), p[part].get("kl")
+            if not task or not kl or task["mean"] is None or kl["mean"] is None:
+                continue
+            colour = colours[arms.index(p["arm"]) % len(colours)]
+            ax.errorbar(
+                kl["mean"],
+                task["mean"],
+                xerr=kl["std"],
+                yerr=task["std"],
+                fmt="o",
+                color=colour,
+                capsize=3,
+                label=p["arm"] if p["arm"] not in ax.get_legend_handles_labels()[1] else None,
+            )
+            ax.annotate(
+                p["label"],
+                (kl["mean"], task["mean"]),
+                textcoords="offset points",
+                xytext=(5, 5),
+                fontsize=8,
+            )
+        for b in report["best"][part]:
+            p = next(q for q in report["points"] if q["label"] == b["label"])
+            x, y = p[part]["kl"]["mean"], p[part]["task_reward"]["mean"]
+            ax.scatter([x], [y], s=220, facecolors="none", edgecolors="black", linewidths=1)
+            ax.annotate(
+                f"best η={b['eta']:g}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(5, -12),
+                fontsize=7,
+            )
+        title = "training (final window)" if part == "train" else "held-out evaluation"
+        ax.set_title(f"task reward vs KL: {title}\n(error bars: std over seeds)")
+        ax.set_xlabel("KL to reference")
+        ax.set_ylabel("task reward")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    with atomic_file(out) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+
+
+def plot_curves(study_dir: Path, report: dict, out: Path, smooth: int = 10) -> None:
+    """Task reward and KL over iterations per (arm, grid point): mean over seeds, std band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, p in enumerate(report["points"]):
+        runs = [read_jsonl(Path(study_dir) / r / "metrics.jsonl") for r in p["runs"]]
+        if not runs:
+            continue
+        length = min(len(r) for r in runs)
+        for ax, key, title in zip(axes, ("task_reward", "kl"), ("task reward", "KL"), strict=True):
+            curves = []
+            for rows in runs:
+                per_iteration = []
+                for m in rows[:length]:
+                    vals = [v for k, v in m.items() if k.endswith(f"/{key}") and v is not None]
+                    per_iteration.append(sum(vals) / len(vals) if vals else math.nan)
+                kernel = np.ones(smooth) / smooth
+                padded = np.pad(per_iteration, (smooth - 1, 0), mode="edge")
+                curves.append(np.convolve(padded, kernel, mode="valid"))
+            curves = np.asarray(curves)
+            x = np.arange(1, length + 1)
+            mean, std = curves.mean(0), curves.std(0)
+            colour = colours[i % len(colours)]
+            ax.plot(x, mean, color=colour, label=p["label"])
+            ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.15)
+            ax.set_title(f"{title} (moving average {smooth}; band: std over seeds)")
+            ax.set_xlabel("iteration")
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    with atomic_file(out) as tmp:
+        fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+
+
+def write_report(study_dir: Path) -> dict:
+    """Write report.json, report.md, frontier.png and curves.png into the study directory."""
+    study_dir = Path(study_dir)
+    report = build_report(study_dir)
+    atomic_write_text(study_dir / "report.json", json.dumps(report, indent=2) + "\n")
+    atomic_write_text(study_dir / "report.md", markdown(report))
+    if any(p["runs"] for p in report["points"]):
+        plot_frontier(report, study_dir / "frontier.png")
+        plot_curves(study_dir, report, study_dir / "curves.png")
+    return report

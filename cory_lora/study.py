@@ -1,0 +1,349 @@
+"""Studies: a base recipe run over named arms × an optional grid × seeds, one ordinary run
+directory each, one after another, resumable, then a report (report.py).
+
+A study file (TOML):
+
+    recipe = "../recipes/tiny_cpu.toml"     # the base recipe, relative to the study file
+    seeds = [0, 1, 2]
+    set = ["train.iterations=200"]           # overrides for every run (optional)
+    window = 50                              # final window of the report, in iterations
+    etas = [0.03, 0.1, 0.3]                  # frontier: each arm's best point under task - η·KL
+    eval_limit = 100                         # > 0: held-out `cory-lora eval` of each run
+
+    [grid]                                   # optional, crossed with every arm
+    "ppo.init_kl_coef" = [0.03, 0.1, 0.3]
+
+    [arms.cory]                              # an arm is a partial recipe over the base
+    train = { algorithm = "cory" }
+    [arms.ppo]
+    train = { algorithm = "ppo" }
+
+Runs live in `STUDY_DIR/<arm>[/<grid point>]/seed-<s>/`. Each is a separate process running
+`cory-lora run` (or `resume`), so a failure, or the memory of one run, never reaches the next;
+its console output goes to `STUDY_DIR/logs/`. Running the study again skips finished runs,
+resumes an interrupted one from its checkpoint, reruns a failed or never-checkpointed one, and
+runs what is left; `study.json` records every run's state. Every run's recipe is validated before
+the first one starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cory_lora.config import SECTIONS, load_recipe
+from cory_lora.errors import ConfigError, Problem, UserError
+from cory_lora.outputs import atomic_write_text, read_jsonl, toml_value
+
+STUDY_KEYS = ("recipe", "seeds", "set", "window", "etas", "eval_limit", "grid", "arms")
+STATE_FILE = "study.json"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a study: an arm, a grid point (key -> value, maybe empty) and a seed."""
+
+    arm: str
+    grid: dict
+    seed: int
+    overrides: tuple[str, ...]  # --set arguments that make this run's recipe from the base
+    iterations: int
+
+    @property
+    def relative_dir(self) -> Path:
+        parts = [self.arm]
+        if self.grid:
+            parts.append(",".join(f"{k}={toml_value(v)}" for k, v in self.grid.items()))
+        return Path(*parts, f"seed-{self.seed}")
+
+    @property
+    def id(self) -> str:
+        return str(self.relative_dir)
+
+
+@dataclass(frozen=True)
+class Study:
+    path: Path  # the study file
+    recipe: Path  # the base recipe
+    seeds: tuple[int, ...]
+    overrides: tuple[str, ...]  # `set` plus the command line's --set
+    window: int
+    etas: tuple[float, ...]
+    eval_limit: int
+    grid: dict = field(default_factory=dict)  # dotted key -> list of values
+    arms: dict = field(default_factory=dict)  # name -> partial recipe (section -> key -> value)
+
+    def runs(self) -> list[Run]:
+        """Every (arm, grid point, seed), arms in file order, then grid points, then seeds."""
+        keys = list(self.grid)
+        points = [
+            dict(zip(keys, values, strict=True))
+            for values in itertools.product(*(self.grid[k] for k in keys))
+        ]
+        out = []
+        for arm, table in self.arms.items():
+            for point in points:
+                for seed in self.seeds:
+                    overrides = (
+                        *self.overrides,
+                        *_arm_overrides(table),
+                        *(f"{k}={toml_value(v)}" for k, v in point.items()),
+                        f"train.seed={seed}",
+                    )
+                    out.append(Run(arm, point, seed, overrides, 0))
+        return out
+
+
+def _arm_overrides(table: dict) -> list[str]:
+    return [
+        f"{section}.{key}={toml_value(value)}"
+        for section, keys in table.items()
+        for key, value in keys.items()
+    ]
+
+
+def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study, list[Run]]:
+    """Read and check a study file, and validate every run's recipe; one ConfigError lists every
+    problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"study {str(path)!r}: no such file")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError([Problem((), f"study {str(path)!r} is not valid TOML: {e}")]) from None
+    problems = [
+        Problem((k,), f"{k}: unknown study key (known: {', '.join(STUDY_KEYS)})")
+        for k in raw
+        if k not in STUDY_KEYS
+    ]
+
+    def check(key, ok, expected, default):
+        value = raw.get(key, default)
+        if not ok(value):
+            problems.append(Problem((key,), f"{key} = {json.dumps(value)}: expected {expected}"))
+            return default
+        return value
+
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    recipe = check("recipe", lambda v: isinstance(v, str) and v, "the base recipe's path", "")
+    seeds = check(
+        "seeds",
+        lambda v: isinstance(v, list) and v and all(is_int(s) and s >= 0 for s in v),
+        "a non-empty list of seeds (integers >= 0)",
+        [0],
+    )
+    sets = check(
+        "set",
+        lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+        'a list of "section.key=value" strings',
+        [],
+    )
+    window = check("window", lambda v: is_int(v) and v > 0, "a positive integer", 10)
+    etas = check(
+        "etas",
+        lambda v: isinstance(v, list) and all(isinstance(e, (int, float)) and e >= 0 for e in v),
+        "a list of numbers >= 0",
+        [],
+    )
+    eval_limit = check("eval_limit", lambda v: is_int(v) and v >= 0, "an integer >= 0", 0)
+    grid = check(
+        "grid",
+        lambda v: (
+            isinstance(v, dict)
+            and all(isinstance(x, list) and x and "." in k for k, x in v.items())
+        ),
+        'a table of "section.key" = [values]',
+        {},
+    )
+    arms = check(
+        "arms",
+        lambda v: (
+            isinstance(v, dict)
+            and v
+            and all(
+                isinstance(t, dict)
+                and all(s in SECTIONS and isinstance(x, dict) for s, x in t.items())
+                for t in v.values()
+            )
+        ),
+        "[arms.NAME] tables, each a partial recipe (sections of keys)",
+        {},
+    )
+    if len(set(seeds)) != len(seeds):
+        problems.append(Problem(("seeds",), f"seeds = {seeds}: a seed appears twice"))
+    for name in arms:
+        if not name or any(c in name for c in '/\\:*?"<>|') or name.startswith("."):
+            problems.append(Problem(("arms",), f"arms.{name}: not usable as a directory name"))
+    if problems:
+        raise ConfigError(problems)
+    base = (path.parent / recipe).resolve()
+    study = Study(
+        path=path,
+        recipe=base,
+        seeds=tuple(seeds),
+        overrides=(*sets, *extra_overrides),
+        window=window,
+        etas=tuple(float(e) for e in etas),
+        eval_limit=eval_limit,
+        grid=grid,
+        arms=arms,
+    )
+    runs = []
+    for run in study.runs():
+        try:
+            recipe_of_run = load_recipe(base, run.overrides)
+        except ConfigError as e:
+            problems += [Problem(p.keys, f"{run.id}: {p.text}") for p in e.problems]
+            continue
+        runs.append(Run(run.arm, run.grid, run.seed, run.overrides, recipe_of_run.train.iterations))
+    if problems:
+        raise ConfigError(problems)
+    return study, runs
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_state(run_dir: Path) -> str:
+    """`done` (final adapters written), `resume` (a checkpoint to continue from), `fresh`."""
+    if (run_dir / "final").is_dir():
+        return "done"
+    if list(run_dir.glob("checkpoints/iter-*")):
+        return "resume"
+    return "fresh"
+
+
+def cli_command(*args) -> list[str]:
+    return [sys.executable, "-m", "cory_lora.cli", *map(str, args)]
+
+
+class StudyRunner:
+    """Runs a study's runs one after another, each in its own process, with one progress view."""
+
+    def __init__(self, study: Study, runs: list[Run], study_dir: Path, display):
+        self.study, self.runs, self.dir, self.display = study, runs, Path(study_dir), display
+        self.records: dict[str, dict] = {}
+
+    def write_state(self) -> None:
+        state = {
+            "study": str(self.study.path),
+            "recipe": str(self.study.recipe),
+            "seeds": list(self.study.seeds),
+            "window": self.study.window,
+            "etas": list(self.study.etas),
+            "grid": {k: list(v) for k, v in self.study.grid.items()},
+            "arms": list(self.study.arms),
+            "runs": [self.records[r.id] for r in self.runs],
+        }
+        atomic_write_text(self.dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
+
+    def run(self) -> dict[str, dict]:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "logs").mkdir(exist_ok=True)
+        for run in self.runs:
+            self.records[run.id] = {
+                "id": run.id,
+                "arm": run.arm,
+                "grid": run.grid,
+                "seed": run.seed,
+                "dir": str(run.relative_dir),
+                "iterations": run.iterations,
+                "status": "done" if run_state(self.dir / run.relative_dir) == "done" else "pending",
+                "error": None,
+            }
+        self.write_state()
+        self.display.start(self.runs, self.records)
+        try:
+            for run in self.runs:
+                if self.records[run.id]["status"] != "done":
+                    self._one(run)
+                if self.study.eval_limit and self.records[run.id]["status"] == "done":
+                    self._evaluate(run)
+        finally:
+            self.display.stop()
+        return self.records
+
+    def _one(self, run: Run) -> None:
+        out = self.dir / run.relative_dir
+        state = run_state(out)
+        if state == "resume":
+            command = cli_command("resume", out, "--quiet")
+        else:  # never started, or died before its first checkpoint: start it again
+            out.parent.mkdir(parents=True, exist_ok=True)
+            command = cli_command(
+                "run", self.study.recipe, *_sets(run.overrides), "--output-dir", out, "--quiet"
+            )
+            if out.exists():
+                command.append("--overwrite")
+        self.display.begin(run, state)
+        code = self._watch(command, run, out)
+        record = self.records[run.id]
+        if code == 0 and run_state(out) == "done":
+            record.update(status="done", error=None)
+        elif code in (130, -signal.SIGINT):
+            record.update(status="interrupted")
+            self.write_state()
+            raise KeyboardInterrupt
+        else:
+            record.update(status="failed", error=_last_error(self._log(run)))
+        self.write_state()
+        self.display.end(run, record)
+
+    def _log(self, run: Run) -> Path:
+        return self.dir / "logs" / (run.id.replace(os.sep, "__") + ".log")
+
+    def _watch(self, command: list[str], run: Run, out: Path) -> int:
+        """Run `command`, its output appended to the run's log, and follow its metrics."""
+        with open(self._log(run), "a", encoding="utf-8") as log:
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                while process.poll() is None:
+                    self.display.progress(run, _iterations_done(out))
+                    time.sleep(0.5)
+            except KeyboardInterrupt:
+                # The child got the same Ctrl-C: it finishes its iteration and checkpoints.
+                process.wait()
+                raise
+        self.display.progress(run, _iterations_done(out))
+        return process.returncode
+
+    def _evaluate(self, run: Run) -> None:
+        out = self.dir / run.relative_dir
+        if (out / "eval.json").is_file():
+            return
+        command = cli_command("eval", out, "--limit", self.study.eval_limit)
+        code = self._watch(command, run, out)
+        if code != 0:
+            self.records[run.id]["error"] = "eval: " + _last_error(self._log(run))
+            self.write_state()
+
+
+def _sets(overrides: tuple[str, ...]) -> list[str]:
+    return [x for o in overrides for x in ("--set", o)]
+
+
+def _iterations_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(read_jsonl(path)) if path.is_file() else 0
+
+
+def _last_error(log: Path) -> str:
+    lines = [line for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith(("error:", "stopped:"))]
+    return (errors or lines or ["(no output)"])[-1][:500]
+
+
+def default_study_dir(study: Study, raw_output_dir: str | None) -> Path:
+    return Path(raw_output_dir) if raw_output_dir else Path("runs") / study.path.stem

@@ -1,0 +1,218 @@
+"""Studies: every run's recipe validated first, runs as ordinary run directories, resumable after
+a kill, failures recorded, and a report whose numbers match an independent calculation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from cory_lora.report import build_report, summarise
+from cory_lora.study import load_study
+
+from .conftest import tiny_recipe_dict
+from .helpers import cli_command, invoke, read_jsonl, write_jsonl, write_recipe
+
+
+@pytest.fixture
+def study_file(tmp_path, tiny_model_dir, arith_file):
+    recipe = write_recipe(
+        tmp_path / "base.toml",
+        tiny_recipe_dict(
+            tiny_model_dir,
+            arith_file,
+            data={"eval_holdout": 6},
+            train={"iterations": 3, "checkpoint_every": 1},
+        ),
+    )
+
+    def make(arms: str, extra: str = "") -> object:
+        path = tmp_path / "study.toml"
+        path.write_text(
+            f'recipe = "{recipe.name}"\nseeds = [0, 1]\nwindow = 2\netas = [0.1]\n{extra}\n{arms}'
+        )
+        return path
+
+    return make
+
+
+ARMS = """
+[arms.cory]
+train = { algorithm = "cory" }
+[arms.ppo]
+train = { algorithm = "ppo" }
+"""
+
+
+def test_every_run_is_validated_before_any_starts(study_file, tmp_path):
+    path = study_file(
+        ARMS + "[arms.bad]\nppo = { learning_rat = 1.0 }\n", "[grid]\n'ppo.epochs' = [1, 0]"
+    )
+    result = invoke("study", path, "--output-dir", tmp_path / "s")
+    assert result.exit_code == 2
+    text = " ".join(result.output.split())
+    assert "bad/ppo.epochs=1/seed-0: ppo.learning_rat: unknown key" in text
+    assert "cory/ppo.epochs=0/seed-1: ppo.epochs = 0: must be > 0" in text
+    assert not (tmp_path / "s").exists()
+
+
+def test_study_file_errors_are_listed_at_once(tmp_path):
+    path = tmp_path / "study.toml"
+    path.write_text("recipe = 3\nseeds = []\nwindw = 2\n[arms.x]\nnope = { a = 1 }\n")
+    result = invoke("study", path)
+    assert result.exit_code == 2
+    for text in (
+        "recipe = 3: expected",
+        "seeds = []: expected",
+        "windw: unknown study key",
+        "arms = ",
+    ):
+        assert text in " ".join(result.output.split())
+
+
+def test_runs_are_named_by_arm_grid_point_and_seed(study_file):
+    _, runs = load_study(study_file(ARMS, "[grid]\n'ppo.init_kl_coef' = [0.05, 0.2]"))
+    assert [r.id for r in runs][:3] == [
+        "cory/ppo.init_kl_coef=0.05/seed-0",
+        "cory/ppo.init_kl_coef=0.05/seed-1",
+        "cory/ppo.init_kl_coef=0.2/seed-0",
+    ]
+    assert len(runs) == 8
+    assert "train.seed=1" in runs[1].overrides and "ppo.init_kl_coef=0.05" in runs[1].overrides
+
+
+def test_killed_study_resumes_skipping_finished_runs(study_file, tmp_path):
+    path, out = study_file(ARMS, "eval_limit = 4"), tmp_path / "study"
+    command, env = cli_command("study", path, "--output-dir", out)
+    process = subprocess.Popen(
+        command,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    second = out / "cory" / "seed-1"
+    while time.time() < deadline and not list(second.glob("checkpoints/iter-*")):
+        time.sleep(0.05)
+    assert process.poll() is None, "the study ended before the kill"
+    os.killpg(process.pid, signal.SIGKILL)  # the study and its run in progress
+    process.wait()
+    assert not (second / "final").exists()
+    result = subprocess.run(
+        cli_command("study", path, "--output-dir", out)[0],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    state = json.loads((out / "study.json").read_text())
+    assert [r["status"] for r in state["runs"]] == ["done"] * 4
+    for run in state["runs"]:
+        metrics = read_jsonl(out / run["dir"] / "metrics.jsonl")
+        assert [m["iteration"] for m in metrics] == [1, 2, 3]
+        assert (out / run["dir"] / "eval.json").is_file()
+    logs = {p.name: p.read_text() for p in (out / "logs").iterdir()}
+    assert logs["cory__seed-0.log"].count("$ ") == 2  # one run, one eval: not run again
+    assert " resume " in logs["cory__seed-1.log"]  # the interrupted run resumed
+    report = json.loads((out / "report.json").read_text())
+    assert [p["label"] for p in report["points"]] == ["cory", "ppo"]
+    assert report["points"][0]["heldout"]["task_reward"]["n"] == 2
+    assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_failing_run_is_recorded_and_the_study_goes_on(study_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nan_reward.py").write_text(
+        "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
+    )
+    arms = ARMS + '[arms.broken]\nreward = { function = "nan_reward:nan" }\n'
+    path = study_file(arms, 'set = ["train.max_bad_updates=1"]').name
+    out = tmp_path / "study"
+    result = invoke("study", path, "--output-dir", out)
+    assert result.exit_code == 1
+    assert "2 run(s) failed" in result.output
+    state = json.loads((out / "study.json").read_text())
+    statuses = {r["id"]: r["status"] for r in state["runs"]}
+    assert statuses["broken/seed-0"] == "failed" and statuses["ppo/seed-1"] == "done"
+    assert "skipped 1 iterations in a row" in state["runs"][4]["error"]
+    report = (out / "report.md").read_text()
+    assert "## Runs not in the report" in report and "broken/seed-0: failed" in report
+
+
+def fake_run(root, run_dir, rows):
+    write_jsonl(root / run_dir / "metrics.jsonl", rows)
+    (root / run_dir / "final").mkdir(parents=True)
+
+
+def test_report_numbers_match_an_independent_calculation(tmp_path):
+    rng = np.random.default_rng(1)
+    runs, truth = [], {}
+    for arm, agents in (("cory", ("llm1", "llm2")), ("ppo", ("llm1",))):
+        for beta in (0.1, 0.3):
+            for seed in (0, 1, 2):
+                rows = []
+                for i in range(1, 21):
+                    row = {"iteration": i}
+                    for a in agents:
+                        row |= {
+                            f"{a}/task_reward": float(rng.random()),
+                            f"{a}/kl": float(rng.random() * beta * 10),
+                            f"{a}/combined_reward": float(rng.random()),
+                        }
+                    rows.append(row)
+                run_dir = f"{arm}/ppo.init_kl_coef={beta}/seed-{seed}"
+                fake_run(tmp_path, run_dir, rows)
+                runs.append(
+                    {
+                        "id": run_dir,
+                        "arm": arm,
+                        "grid": {"ppo.init_kl_coef": beta},
+                        "seed": seed,
+                        "dir": run_dir,
+                        "iterations": 20,
+                        "status": "done",
+                        "error": None,
+                    }
+                )
+                # independent: the last 5 iterations, every agent's value pooled
+                tail = rows[-5:]
+                for key in ("task_reward", "kl"):
+                    value = np.mean([r[f"{a}/{key}"] for r in tail for a in agents])
+                    truth.setdefault((arm, beta, key), []).append(value)
+    state = {"study": "s.toml", "window": 5, "etas": [0.0, 1.0], "runs": runs}
+    (tmp_path / "study.json").write_text(json.dumps(state))
+    report = build_report(tmp_path)
+    by_label = {p["label"]: p for p in report["points"]}
+    for (arm, beta, key), values in truth.items():
+        got = by_label[f"{arm} β={beta}"]["train"][key]
+        assert got["values"] == pytest.approx(values)
+        assert got["mean"] == pytest.approx(np.mean(values))
+        assert got["std"] == pytest.approx(np.std(values, ddof=1))
+        low, high = got["ci95"]
+        assert min(values) - 1e-12 <= low <= np.mean(values) <= high <= max(values) + 1e-12
+    # η = 0 picks each arm's highest task reward; η = 1 trades it against KL
+    for eta in (0.0, 1.0):
+        for arm in ("cory", "ppo"):
+            objective = {
+                beta: np.mean(truth[(arm, beta, "task_reward")])
+                - eta * np.mean(truth[(arm, beta, "kl")])
+                for beta in (0.1, 0.3)
+            }
+            best = max(objective, key=objective.get)
+            chosen = [b for b in report["best"]["train"] if b["eta"] == eta and b["arm"] == arm]
+            assert chosen[0]["label"] == f"{arm} β={best}"
+
+
+def test_bootstrap_interval_by_hand():
+    # one value: no spread at all; two equal values likewise
+    assert summarise([0.5])["ci95"] == [0.5, 0.5]
+    two = summarise([0.0, 1.0])  # resampled means are 0, 0.5 or 1 with probability 1/4, 1/2, 1/4
+    assert two["mean"] == 0.5 and two["ci95"] == [0.0, 1.0]
+    assert two["std"] == pytest.approx(np.sqrt(0.5))
