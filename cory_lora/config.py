@@ -54,6 +54,13 @@ class ModelConfig:
     gradient_checkpointing: bool = _opt(
         False, "Recompute activations in the backward pass: less memory, ~30% slower updates."
     )
+    attn_implementation: str = _opt(
+        "sdpa",
+        "Attention kernel passed to `from_pretrained`: `sdpa` (PyTorch's fused attention), "
+        "`eager` (plain matmuls), `flash_attention_2` / `flash_attention_3` (a CUDA GPU and the "
+        "flash-attn package).",
+        choices=("sdpa", "eager", "flash_attention_2", "flash_attention_3"),
+    )
 
 
 @dataclass(frozen=True)
