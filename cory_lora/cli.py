@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from cory_lora.config import describe_keys, load_recipe, template_fields, to_toml
+from cory_lora.console import make_console
 from cory_lora.errors import UserError
 
 app = typer.Typer(
@@ -26,8 +26,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="CORY: two LoRA agents on one shared (4-bit) base model learn a task together with PPO.",
 )
-console = Console()
-error_console = Console(stderr=True)
+console = make_console()
+error_console = make_console(stderr=True)
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
 SetOpt = Annotated[
@@ -126,7 +126,8 @@ def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume
     quiet_libraries()
     from cory_lora.train import run as train_run
 
-    train_run(config, run_dir, Display(console, quiet=quiet), resume=resume)
+    display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
+    train_run(config, run_dir, display, resume=resume)
 
 
 def default_output_dir(recipe_path: Path) -> Path:

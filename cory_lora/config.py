@@ -253,6 +253,13 @@ class LogConfig:
     eta: float = _opt(
         0.1, "eta of the reported combined reward: task reward - eta * KL (paper, Fig. 3).", ge=0
     )
+    plain_every_s: float = _opt(
+        0.0,
+        "Without a terminal (nohup, Docker, a pipe) or with --quiet: one full plain log line per "
+        "iteration, or at most one per this many seconds (the last iteration always); 0: every "
+        "iteration. On a terminal the live progress view is shown instead.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
