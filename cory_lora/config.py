@@ -168,6 +168,21 @@ class RewardConfig:
         "empty: its default, lvwerra/distilbert-imdb).",
     )
     batch_size: int = _opt(64, "Batch size for rewards with a `batch_size` parameter.", gt=0)
+    url: str = _opt(
+        "",
+        "For `http_reward` (and rewards with a `url` parameter): the endpoint that is POSTed "
+        "`{prompts, completions, columns}` as JSON, reward.batch_size completions at a time, and "
+        "answers a list of numbers (or `{rewards: [...]}`).",
+    )
+    timeout_s: float = _opt(
+        60.0, "Seconds to wait for each HTTP reward request (rewards with `timeout_s`).", gt=0
+    )
+    retries: int = _opt(
+        2,
+        "Extra attempts of an HTTP reward request after a timeout, a lost connection, HTTP 429 "
+        "or 5xx (waits 1 s, 2 s, 4 s, ... between them); other errors fail at once.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -476,6 +491,10 @@ def _cross_checks(r: Recipe) -> list[str]:
             problems.append(f"{key} must contain {{pioneer}}: the observer reads that answer")
     if ":" in r.reward.function and r.reward.function.count(":") != 1:
         problems.append(f"reward.function = {_show(r.reward.function)}: expected module:function")
+    if r.reward.function == "http_reward" and not r.reward.url:
+        problems.append('reward.url: required by reward.function = "http_reward"')
+    if r.reward.url and not r.reward.url.startswith(("http://", "https://")):
+        problems.append(f"reward.url = {_show(r.reward.url)}: expected an http:// or https:// URL")
     return problems
 
 
@@ -512,6 +531,8 @@ RESUME_FREE = (
     "train.keep_checkpoints",
     "train.max_bad_updates",
     "reward.batch_size",
+    "reward.timeout_s",
+    "reward.retries",
 )
 
 

@@ -19,3 +19,7 @@ class ConfigError(UserError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"the recipe has {len(self.problems)} problem(s):\n{lines}")
+
+
+class RewardError(UserError):
+    """The reward raised, or returned something that is not one number per completion."""

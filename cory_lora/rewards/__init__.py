@@ -20,18 +20,20 @@ from dataclasses import dataclass
 import torch
 
 from cory_lora.config import RewardConfig
-from cory_lora.errors import UserError
+from cory_lora.errors import RewardError, UserError
 from cory_lora.rewards.builtin import exact_match
 from cory_lora.rewards.gsm8k import gsm8k_accuracy
+from cory_lora.rewards.http import http_reward
 from cory_lora.rewards.sentiment import sentiment_reward
 
 BUILTIN: dict[str, Callable] = {
     "exact_match": exact_match,
     "gsm8k_accuracy": gsm8k_accuracy,
+    "http_reward": http_reward,
     "sentiment_reward": sentiment_reward,
 }
 # Keyword parameters a reward may declare; they are filled from the recipe (see load_reward).
-RECIPE_PARAMETERS = ("model_name", "device", "batch_size")
+RECIPE_PARAMETERS = ("model_name", "device", "batch_size", "url", "timeout_s", "retries")
 
 __all__ = [
     "BUILTIN",
@@ -39,13 +41,10 @@ __all__ = [
     "RewardError",
     "exact_match",
     "gsm8k_accuracy",
+    "http_reward",
     "load_reward",
     "sentiment_reward",
 ]
-
-
-class RewardError(UserError):
-    """The reward raised, or returned something that is not one number per completion."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,8 @@ class Reward:
         try:
             with torch.no_grad():
                 values = self.fn(prompts=prompts, completions=completions, **columns)
+        except RewardError:
+            raise  # already says what went wrong (an HTTP reward's server, say)
         except Exception as e:
             raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e}") from e
         if isinstance(values, torch.Tensor):
@@ -123,9 +124,9 @@ def load_reward(cfg: RewardConfig | str, device: str = "cpu") -> Reward:
     """A built-in name or `module:function` (the module is imported from the current directory
     first, so a local `my_rewards.py` works).
 
-    A reward that declares keyword parameters `model_name`, `device` or `batch_size` (as
-    `sentiment_reward` does) gets them from `reward.model`, the run's device and
-    `reward.batch_size`.
+    A reward that declares keyword parameters `model_name`, `device`, `batch_size`, `url`,
+    `timeout_s` or `retries` (as `sentiment_reward` and `http_reward` do) gets them from
+    `reward.model`, the run's device and the reward keys of the same names.
     """
     cfg = RewardConfig(function=cfg) if isinstance(cfg, str) else cfg
     fn = _resolve(cfg.function)
@@ -134,7 +135,14 @@ def load_reward(cfg: RewardConfig | str, device: str = "cpu") -> Reward:
     except (TypeError, ValueError):
         parameters = {}
     # An empty reward.model leaves model_name to the function's own default.
-    given = {"model_name": cfg.model, "device": str(device), "batch_size": cfg.batch_size}
+    given = {
+        "model_name": cfg.model,
+        "device": str(device),
+        "batch_size": cfg.batch_size,
+        "url": cfg.url,
+        "timeout_s": cfg.timeout_s,
+        "retries": cfg.retries,
+    }
     bound = {k: v for k, v in given.items() if k in parameters and v != ""}
     return Reward(cfg.function, functools.partial(fn, **bound) if bound else fn)
 
