@@ -168,6 +168,14 @@ class RewardConfig:
         "empty: its default, lvwerra/distilbert-imdb).",
     )
     batch_size: int = _opt(64, "Batch size for rewards with a `batch_size` parameter.", gt=0)
+    completion_format: str = _opt(
+        "auto",
+        "What the reward gets as prompts and completions: `text` (strings), `conversational` "
+        '(TRL\'s form: each completion `[{"role": "assistant", "content": ...}]`, each prompt a '
+        "list of messages) or `auto`: text for the built-ins, conversational for `trl.rewards` "
+        "functions and, with data.chat_template, for every `module:function` reward.",
+        choices=("auto", "text", "conversational"),
+    )
     url: str = _opt(
         "",
         "For `http_reward` (and rewards with a `url` parameter): the endpoint that is POSTed "
@@ -179,8 +187,8 @@ class RewardConfig:
     )
     retries: int = _opt(
         2,
-        "Extra attempts of an HTTP reward request after a timeout, a lost connection, HTTP 429 "
-        "or 5xx (waits 1 s, 2 s, 4 s, ... between them); other errors fail at once.",
+        "Extra attempts of an HTTP reward request after a timeout, a lost connection or HTTP "
+        "408, 429, 500, 502, 503, 504 (waits 1 s, 2 s, 4 s, ... between); others fail at once.",
         ge=0,
     )
 
