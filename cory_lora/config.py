@@ -283,6 +283,14 @@ class LogConfig:
         "iteration. On a terminal the live progress view is shown instead.",
         ge=0,
     )
+    report_to: tuple[str, ...] = _opt(
+        (),
+        'Experiment trackers fed each iteration\'s metrics and samples: any of "tensorboard", '
+        '"wandb", "trackio", "mlflow" (each an extra: pip install \'cory-lora[wandb]\').',
+    )
+    project: str = _opt(
+        "cory-lora", "Tracker project (wandb, trackio) or experiment (MLflow) of the run."
+    )
 
 
 @dataclass(frozen=True)
@@ -499,6 +507,13 @@ def _cross_checks(r: Recipe) -> list[str]:
             problems.append(f"{key} must contain {{pioneer}}: the observer reads that answer")
     if ":" in r.reward.function and r.reward.function.count(":") != 1:
         problems.append(f"reward.function = {_show(r.reward.function)}: expected module:function")
+    trackers = ("tensorboard", "wandb", "trackio", "mlflow")
+    unknown_trackers = [t for t in r.log.report_to if t not in trackers]
+    if unknown_trackers:
+        problems.append(
+            f"log.report_to: unknown tracker(s) {', '.join(unknown_trackers)} "
+            f"(known: {', '.join(trackers)})"
+        )
     if r.reward.function == "http_reward" and not r.reward.url:
         problems.append('reward.url: required by reward.function = "http_reward"')
     if r.reward.url and not r.reward.url.startswith(("http://", "https://")):
