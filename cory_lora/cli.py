@@ -295,6 +295,38 @@ def plan(
 
 
 @app.command()
+def export(
+    run_dir: RunArg,
+    out: Annotated[
+        Path, typer.Option("-o", "--out", help="New directory to write.", show_default=False)
+    ],
+    agent: Annotated[str, typer.Option(help="The agent to export: llm1 or llm2.")] = "llm1",
+    merge: Annotated[
+        bool,
+        typer.Option(help="Write a merged model (base in its own dtype + LoRA), not an adapter."),
+    ] = False,
+    device: Annotated[str, typer.Option(help="Where to merge: cpu, cuda, cuda:N.")] = "cpu",
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option(help="Also upload the directory to this Hub repository (user/name)."),
+    ] = None,
+    private: Annotated[bool, typer.Option(help="Create the Hub repository private.")] = False,
+) -> None:
+    """Export one agent of a finished run: PEFT adapter or merged model, value head, card."""
+    with user_errors():
+        if merge:
+            quiet_libraries()
+        from cory_lora.export import export_agent
+        from cory_lora.export import push_to_hub as push
+
+        path = export_agent(run_dir, agent, out, merge=merge, device=device)
+        console.print(f"written {path}", highlight=False)
+        if push_to_hub:
+            url = push(path, push_to_hub, private=private)
+            console.print(f"uploaded to {url}", highlight=False)
+
+
+@app.command()
 def keys() -> None:
     """Print every recipe key with its default and meaning (Markdown)."""
     typer.echo(describe_keys())
