@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from cory_lora.config import describe_keys, load_recipe, template_fields, to_toml
 from cory_lora.console import make_console
@@ -45,7 +46,8 @@ def user_errors():
         yield
     except UserError as e:
         label = "[bold yellow]stopped:[/]" if e.exit_code == 130 else "[bold red]error:[/]"
-        error_console.print(f"{label} {e}", highlight=False, soft_wrap=True)
+        # escape: a message may hold brackets that are not markup (pip install 'pkg[extra]')
+        error_console.print(f"{label} {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         error_console.print(
@@ -117,8 +119,10 @@ def resume(
 def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
     from cory_lora.console import Display
     from cory_lora.outputs import RunDir
+    from cory_lora.trackers import check_trackers
 
     run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks now, before model loading
+    check_trackers(config)  # a named tracker that is not installed: say so before any loading
     verb = "resuming" if resume else "recipe"
     console.print(f"[bold]{verb}[/] {source} -> [bold]{path}[/]", highlight=False)
     if not quiet:  # the resolved recipe is also saved as config.toml in the run directory

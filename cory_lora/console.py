@@ -89,7 +89,7 @@ class Display:
         return not self.quiet and self.console.is_terminal
 
     def message(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True)
+        self.console.print(text, highlight=False, soft_wrap=True, markup=False)
 
     def warn_once(self, key: str, text: str) -> None:
         if key not in self._warned:

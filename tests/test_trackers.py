@@ -252,3 +252,18 @@ def test_a_tracker_that_cannot_start_is_a_user_error(recipe_with, tmp_path, monk
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://nowhere")
     with pytest.raises(UserError, match=r"log\.report_to: mlflow could not start a run"):
         open_trackers(recipe_with("mlflow"), tmp_path)
+
+
+def test_the_cli_refuses_a_missing_tracker_before_creating_anything(
+    tmp_path, tiny_model_dir, arith_file, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "trackio", None)
+    raw = tiny_recipe_dict(tiny_model_dir, arith_file, log={"report_to": ["trackio"]})
+    out = tmp_path / "run"
+    result = CliRunner().invoke(
+        app, ["run", str(write_recipe(tmp_path / "r.toml", raw)), "--output-dir", str(out)]
+    )
+    assert result.exit_code == 1
+    assert "log.report_to names trackio, which is not installed: pip install" in result.output
+    assert "cory-lora[trackio]" in result.output
+    assert not out.exists()
