@@ -4,51 +4,35 @@ A checkpoint is the directory `checkpoints/iter-NNNNNN/` (NNNNNN = iterations co
 
     llm1/, llm2/            PEFT adapters + value heads (safetensors)
     optimizer-llmK.pt       each agent's AdamW state (loaded with torch.load(weights_only=True))
+    ema-llmK.safetensors    with Elastic Reset: each agent's adapter EMA
     rng.pt                  torch generators: sampling, minibatch order, global CPU (and CUDA)
-    state.json              iteration, data order, KL coefficients, score statistics, skip
-                            counters, Python and NumPy RNG states, and a SHA-256 of every file
+    state.json              `TrainerState.record()` (iteration, data order, KL coefficients,
+                            score statistics, skip counters, Python and NumPy RNG states) and a
+                            SHA-256 of every file
 
 It is built under a temporary name, every file fsynced, then renamed into place and the parent
-directory fsynced: a reader sees a whole checkpoint or none. The last `train.keep_checkpoints`
-are kept. Loading verifies every checksum, so a damaged file is reported, never half-loaded.
+directory fsynced (`outputs.atomic_directory`): a reader sees a whole checkpoint or none. The
+last `train.keep_checkpoints` are kept. Loading verifies every checksum, so a damaged file is
+reported, never half-loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import random
 import shutil
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from cory_lora import faults
-from cory_lora.data import PromptOrder
 from cory_lora.errors import UserError
 from cory_lora.model import Agents
-from cory_lora.outputs import fsync_tree
-from cory_lora.update import AgentState
+from cory_lora.outputs import atomic_directory
+from cory_lora.state import TrainerState
 
 CHECKPOINTS = "checkpoints"
-FORMAT = 1
-
-
-@dataclass
-class TrainerState:
-    """What the training loop carries from one iteration to the next, besides the weights."""
-
-    iteration: int  # iterations completed
-    order: PromptOrder
-    agents: dict[str, AgentState]
-    sampling_rng: torch.Generator
-    minibatch_rng: torch.Generator
-    bad_streak: dict[str, int] = field(default_factory=dict)  # consecutive skipped updates
-    skipped: dict[str, int] = field(default_factory=dict)  # skipped updates in the whole run
 
 
 def checkpoint_name(iteration: int) -> str:
@@ -67,33 +51,20 @@ def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: in
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(exist_ok=True)
     final = root / checkpoint_name(state.iteration)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}."))
-    try:
+    # The same iteration saved again (e.g. after a resume) is replaced.
+    with atomic_directory(final) as tmp:
         agents.save(tmp)
         for name, agent in state.agents.items():
             torch.save(agent.optimizer.state_dict(), tmp / f"optimizer-{name}.pt")
-        rng = {
-            "sampling": state.sampling_rng.get_state(),
-            "minibatch": state.minibatch_rng.get_state(),
-            "torch": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-        torch.save(rng, tmp / "rng.pt")
+            if agent.ema is not None:
+                save_file(agent.ema.state_dict(), str(tmp / f"ema-{name}.safetensors"))
+        torch.save(state.rng_tensors(), tmp / "rng.pt")
         faults.maybe_die("checkpoint")
-        record = _record(state)
+        record = state.record()
         record["files"] = {
             str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()
         }
         (tmp / "state.json").write_text(json.dumps(record))
-        fsync_tree(tmp)
-        if final.exists():  # the same iteration saved again (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -109,7 +80,7 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> None:
     for name, digest in record.get("files", {}).items():
         if not (path / name).is_file() or _sha256(path / name) != digest:
             raise _corrupt(path, name, "missing or its checksum does not match")
-    if record.get("format") != FORMAT or set(record["agents"]) != set(state.agents):
+    if not state.fits(record):
         raise _corrupt(path, "state.json", "written by another version or for other agents")
     agents.load(path, tuple(state.agents))
     for name, agent in state.agents.items():
@@ -117,45 +88,13 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> None:
             path / f"optimizer-{name}.pt", weights_only=True, map_location="cpu"
         )
         agent.optimizer.load_state_dict(optimizer_state)
-        saved = record["agents"][name]
-        agent.kl_ctl.load_state_dict(saved["kl_ctl"])
-        if agent.score_moments is not None and saved["score_moments"] is not None:
-            agent.score_moments.load_state_dict(saved["score_moments"])
-        state.bad_streak[name] = saved["bad_streak"]
-        state.skipped[name] = saved["skipped"]
-    rng = torch.load(path / "rng.pt", weights_only=True)
-    state.sampling_rng.set_state(rng["sampling"])
-    state.minibatch_rng.set_state(rng["minibatch"])
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(rng["cuda"]))
-    version, internal, gauss = record["python_random"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = record["numpy_random"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    state.order.load_state_dict(record["order"])
-    state.iteration = record["iteration"]
-
-
-def _record(state: TrainerState) -> dict:
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "format": FORMAT,
-        "iteration": state.iteration,
-        "order": state.order.state_dict(),
-        "agents": {
-            name: {
-                "kl_ctl": agent.kl_ctl.state_dict(),
-                "score_moments": agent.score_moments.state_dict() if agent.score_moments else None,
-                "bad_streak": state.bad_streak.get(name, 0),
-                "skipped": state.skipped.get(name, 0),
-            }
-            for name, agent in state.agents.items()
-        },
-        "python_random": [version, list(internal), gauss],
-        "numpy_random": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-    }
+        if agent.ema is not None:
+            ema = path / f"ema-{name}.safetensors"
+            if not ema.is_file():
+                raise _corrupt(path, ema.name, "missing (the run has reset.every set)")
+            agent.ema.load_state_dict(load_file(str(ema)))
+    state.load_rng_tensors(torch.load(path / "rng.pt", weights_only=True))
+    state.load_record(record)
 
 
 def _sha256(path: Path) -> str:
@@ -164,14 +103,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _corrupt(path: Path, name: str, reason: str) -> UserError:

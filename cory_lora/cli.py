@@ -6,6 +6,7 @@ problems exit 2); anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -17,9 +18,11 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from cory_lora.config import describe_keys, load_recipe, template_fields, to_toml
+from cory_lora.config import SECTIONS, load_recipe
 from cory_lora.console import make_console
 from cory_lora.errors import UserError
+from cory_lora.interrupts import STOPPED_AT_ONCE
+from cory_lora.outputs import check_holds_a_run, recipe_toml, toml_value
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -50,12 +53,7 @@ def user_errors():
         error_console.print(f"{label} {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        error_console.print(
-            "[bold yellow]stopped at once:[/] the last complete checkpoint is intact; resume with "
-            "`cory-lora resume RUN_DIR`",
-            highlight=False,
-            soft_wrap=True,
-        )
+        error_console.print(STOPPED_AT_ONCE, style="bold yellow", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
 
 
@@ -110,8 +108,7 @@ def resume(
 ) -> None:
     """Continue a run from its newest checkpoint, with the recipe it saved (plus --set)."""
     with user_errors():
-        if not (run_dir / "config.toml").is_file():
-            raise UserError(f"nothing to resume in {str(run_dir)!r}: it holds no run")
+        check_holds_a_run(run_dir)
         config = load_recipe(run_dir / "config.toml", set_ or [])
         _train(config, str(run_dir / "config.toml"), run_dir, False, quiet, True)
 
@@ -126,7 +123,7 @@ def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume
     verb = "resuming" if resume else "recipe"
     console.print(f"[bold]{verb}[/] {source} -> [bold]{path}[/]", highlight=False)
     if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
-        console.print(to_toml(config), highlight=False, markup=False)
+        console.print(recipe_toml(config), highlight=False, markup=False)
     quiet_libraries()
     from cory_lora.train import run as train_run
 
@@ -145,7 +142,7 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     """Check a recipe (types, ranges, consistency) without loading any model."""
     with user_errors():
         config = load_recipe(recipe, set_ or [])
-    console.print(to_toml(config), highlight=False, markup=False)
+    console.print(recipe_toml(config), highlight=False, markup=False)
     console.print(f"[green]ok[/]: {recipe} is a valid recipe", highlight=False)
 
 
@@ -217,39 +214,12 @@ def sample(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
 ) -> None:
     """Print an agent's answers to a prompt."""
-    from dataclasses import replace
-
     with user_errors():
         quiet_libraries()
-        import torch
+        from cory_lora.evaluate import sample_answers
 
-        from cory_lora.cory import Roles, play_episode
-        from cory_lora.data import PromptSet
-        from cory_lora.evaluate import load_run
-        from cory_lora.model import BASE
-        from cory_lora.rewards import Reward
-        from cory_lora.train import stopping_for
-
-        recipe, agents = load_run(run_dir)
-        if agent not in (*agents.names, BASE):
-            raise UserError(f"--agent {agent!r}: this run has {', '.join(agents.names)} (or base)")
-        if greedy:
-            recipe = replace(recipe, generation=replace(recipe.generation, temperature=0.0))
-        if not (template_fields(recipe.data.prompt_template) or set()) <= {"query"}:
-            # the template needs dataset columns we do not have here: use the query as it is
-            recipe = replace(recipe, data=replace(recipe.data, prompt_template="{query}"))
-        no_reward = Reward("none", lambda prompts, completions, **_: [0.0] * len(completions))
-        generator = torch.Generator(agents.device).manual_seed(seed)
-        episode = play_episode(
-            agents,
-            Roles(agent, None),
-            PromptSet([prompt] * n, {}),
-            recipe,
-            no_reward,
-            stopping_for(agents, recipe),
-            generator,
-        )
-    for i, text in enumerate(episode.pioneer.texts):
+        texts = sample_answers(run_dir, prompt, agent, n, greedy, seed)
+    for i, text in enumerate(texts):
         console.print(f"[bold]{agent} #{i + 1}[/]", highlight=False)
         console.print(text, highlight=False, markup=False)
 
@@ -334,6 +304,20 @@ def export(
 def keys() -> None:
     """Print every recipe key with its default and meaning (Markdown)."""
     typer.echo(describe_keys())
+
+
+def describe_keys() -> str:
+    """Markdown documentation of every recipe key, generated from the recipe dataclasses."""
+    out = ["# Recipe keys", "", "Generated by `cory-lora keys` from `cory_lora/config.py`.", ""]
+    for section, cls in SECTIONS.items():
+        out += [f"## [{section}]", "", "| key | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = list(default) if isinstance(default, tuple) else default
+            shown = "(required)" if f.metadata.get("required") else f"`{toml_value(default)}`"
+            out.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main() -> None:

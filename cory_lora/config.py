@@ -1,11 +1,14 @@
 """Recipes: TOML files, one frozen dataclass per section, every problem reported at once.
 
 A recipe has the sections `model`, `lora`, `data`, `generation`, `reward`, `ppo`, `cory`,
-`train` and `log`. Each field carries its documentation in `metadata["doc"]`; `cory-lora keys`
-prints it and `docs/recipe.md` is generated from it (a test keeps the two equal).
+`reset`, `train` and `log`. Each field carries its documentation in `metadata["doc"]`;
+`cory-lora keys` prints it and `docs/recipe.md` is generated from it (a test keeps the two
+equal). Writing a recipe back as TOML lives with the run directory (outputs.py), the resume
+policy with resuming (resume.py).
 
 Loading never stops at the first problem: unknown keys (by dotted path), wrong types,
-out-of-range values and inconsistent pairs are all collected and raised as one `ConfigError`.
+out-of-range values and inconsistent pairs are all collected, each as a `Problem(keys, text)`,
+and raised as one `ConfigError`.
 `--set section.key=value` overrides are parsed as TOML values (so `--set train.iterations=5` is an
 int); for string fields a bare word is taken as the string itself.
 """
@@ -21,7 +24,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cory_lora.errors import ConfigError
+from cory_lora.errors import ConfigError, Problem
 
 
 def _opt(default, doc: str, *, gt=None, ge=None, le=None, lt=None, choices=None, required=False):
@@ -152,6 +155,18 @@ class GenerationConfig:
     batch_size: int = _opt(
         64, "Prompts per generation micro-batch: bounds the KV-cache memory.", gt=0
     )
+    length_range: tuple[int, ...] = _opt(
+        (),
+        "[lo, hi]: each iteration draws one response length n from [lo, hi) for the whole batch "
+        "and both roles, and samples at most n tokens (the paper's IMDB code: [4, 16], TRL's "
+        "LengthSampler); max_new_tokens stays the upper bound. Empty: always max_new_tokens.",
+    )
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature logprobs are taken at: the sampling one (as TRL); greedy rollouts
+        (temperature 0) are scored at 1, the model's own distribution."""
+        return self.temperature or 1.0
 
 
 @dataclass(frozen=True)
@@ -232,19 +247,56 @@ class PPOConfig:
     )
     score_clip: float = _opt(0.0, "Clip scores (after scaling) to [-c, c]; 0 disables.", ge=0)
     whiten_advantages: bool = _opt(True, "Whiten advantages over each batch.")
+    ratio_threshold: float = _opt(
+        10.0,
+        "Skip a micro-batch's loss (zero it) when its mean policy ratio exceeds this (TRL 0.x's "
+        "guard against a diverging update); 0 disables.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
 class CoryConfig:
-    swap_every: int = _opt(5, "Exchange roles every this many iterations.", gt=0)
+    swap_every: int = _opt(
+        5,
+        "Exchange roles every this many iterations; 0 never exchanges them (the no-exchange "
+        "ablation).",
+        ge=0,
+    )
     self_coef: float = _opt(1.0, "Weight of an agent's own task reward in its score.")
     other_coef: float = _opt(
-        1.0, "Weight of the other agent's task reward (1 and 1: the paper's collective reward)."
+        1.0,
+        "Weight of the other agent's task reward: 1 with self_coef 1 is the paper's collective "
+        "reward; 0 self-only; -1 competitive.",
+    )
+    transfer: bool = _opt(
+        True,
+        "The observer reads the pioneer's answer (observer_template); false: it answers the plain "
+        "query like the pioneer (the no-knowledge-transfer ablation; with other_coef = 0: two "
+        "independent agents).",
+    )
+    reset_on_swap: bool = _opt(
+        False,
+        "At each role exchange, start both agents' optimizers, KL coefficients and score "
+        "statistics afresh (the paper's code rebuilds its trainers at a swap).",
     )
     observer_template: str = _opt(
         "{query}{pioneer}\n{query}",
         "Observer prompt over `{query}` (the query) and `{pioneer}` (the pioneer's response); "
         "it then goes through data.prompt_template's formatting rules.",
+    )
+
+
+@dataclass(frozen=True)
+class ResetConfig:
+    every: int = _opt(
+        0,
+        "Elastic Reset (Noukhovitch et al., NeurIPS 2023): every this many iterations, reset each "
+        "agent's adapter to its EMA, the EMA to the initial adapter, and its optimizer; 0: off.",
+        ge=0,
+    )
+    ema_decay: float = _opt(
+        0.995, "Decay of the adapter's EMA, updated after every PPO update.", gt=0, lt=1
     )
 
 
@@ -302,6 +354,7 @@ class Recipe:
     reward: RewardConfig = field(default_factory=RewardConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     cory: CoryConfig = field(default_factory=CoryConfig)
+    reset: ResetConfig = field(default_factory=ResetConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -321,25 +374,29 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recip
     """Read, override and validate a recipe; raise one ConfigError listing every problem."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError([f"recipe {str(path)!r}: no such file"])
+        raise ConfigError([Problem((), f"recipe {str(path)!r}: no such file")])
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError([f"recipe {str(path)!r} is not valid TOML: {e}"]) from None
+        raise ConfigError([Problem((), f"recipe {str(path)!r} is not valid TOML: {e}")]) from None
     return recipe_from_dict(raw, overrides)
 
 
 def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
-    problems: list[str] = []
+    problems: list[Problem] = []
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
         _apply_override(raw, text, problems)
     sections = {}
     for name, value in raw.items():
         if name not in SECTIONS:
-            problems.append(f"{name}: unknown section (known: {', '.join(SECTIONS)})")
+            problems.append(
+                Problem((name,), f"{name}: unknown section (known: {', '.join(SECTIONS)})")
+            )
         elif not isinstance(value, dict):
-            problems.append(f"{name}: expected a [{name}] table, got {_show(value)}")
+            problems.append(
+                Problem((name,), f"{name}: expected a [{name}] table, got {_show(value)}")
+            )
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
         sections[name] = _build_section(
@@ -349,18 +406,18 @@ def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
     # consistency now: every problem is reported in one go. A consistency problem that involves
     # a key already reported would talk about a default the user did not write: left out.
     recipe = Recipe(**sections)
-    reported = {p.split(" ", 1)[0].rstrip(":") for p in problems}
-    problems.extend(c for c in _cross_checks(recipe) if not any(k in c for k in reported))
+    reported = {key for p in problems for key in p.keys}
+    problems.extend(c for c in _cross_checks(recipe) if not reported.intersection(c.keys))
     if problems:
         raise ConfigError(problems)
     return recipe
 
 
-def _apply_override(raw: dict, text: str, problems: list[str]) -> None:
+def _apply_override(raw: dict, text: str, problems: list[Problem]) -> None:
     dotted, sep, value_text = text.partition("=")
     parts = dotted.strip().split(".")
     if not sep or len(parts) != 2 or not all(parts):
-        problems.append(f"--set {text!r}: expected section.key=value")
+        problems.append(Problem((), f"--set {text!r}: expected section.key=value"))
         return
     section, key = parts
     try:
@@ -375,14 +432,16 @@ def _apply_override(raw: dict, text: str, problems: list[str]) -> None:
     if isinstance(table, dict):
         table[key] = value
     else:
-        problems.append(f"--set {text!r}: {section} is not a table in the recipe")
+        problems.append(
+            Problem((section,), f"--set {text!r}: {section} is not a table in the recipe")
+        )
 
 
 def _field_types(cls: type) -> dict[str, type]:
     return typing.get_type_hints(cls)
 
 
-def _build_section(name: str, cls: type, table: dict, problems: list[str]):
+def _build_section(name: str, cls: type, table: dict, problems: list[Problem]):
     types = _field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values = {}
@@ -391,20 +450,22 @@ def _build_section(name: str, cls: type, table: dict, problems: list[str]):
         if key not in fields:
             close = [k for k in fields if k.startswith(key[:3])]
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            problems.append(f"{dotted}: unknown key{hint}")
+            problems.append(Problem((dotted,), f"{dotted}: unknown key{hint}"))
             continue
         coerced, problem = _coerce(value, types[key])
         if problem:
-            problems.append(f"{dotted} = {_show(value)}: {problem}")
+            problems.append(Problem((dotted,), f"{dotted} = {_show(value)}: {problem}"))
             continue
         problem = _check_range(coerced, fields[key].metadata)
         if problem:
-            problems.append(f"{dotted} = {_show(value)}: {problem}")
+            problems.append(Problem((dotted,), f"{dotted} = {_show(value)}: {problem}"))
             continue
         values[key] = coerced
     for key, f in fields.items():
         if f.metadata.get("required") and not values.get(key, f.default):
-            problems.append(f"{name}.{key}: required ({f.metadata['doc']})")
+            problems.append(
+                Problem((f"{name}.{key}",), f"{name}.{key}: required ({f.metadata['doc']})")
+            )
     return cls(**values)
 
 
@@ -427,9 +488,10 @@ def _coerce(value, expected):
             return dict(value), None
         return None, 'expected a table of strings, e.g. { old = "new" }'
     if typing.get_origin(expected) is tuple:
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return tuple(value), None
-        return None, "expected a list of strings"
+        item = typing.get_args(expected)[0]
+        if isinstance(value, list) and all(_coerce(v, item)[1] is None for v in value):
+            return tuple(_coerce(v, item)[0] for v in value), None
+        return None, f"expected a list of {'strings' if item is str else 'integers'}"
     raise TypeError(f"unsupported recipe field type {expected}")
 
 
@@ -457,67 +519,102 @@ def template_fields(template: str) -> set[str] | None:
         return None
 
 
-def _cross_checks(r: Recipe) -> list[str]:
+def _cross_checks(r: Recipe) -> list[Problem]:
     problems = []
+
+    def problem(keys: str, text: str) -> None:
+        problems.append(Problem(tuple(keys.split()), text))
+
     p = r.ppo
     if p.batch_size % p.minibatch_size:
-        problems.append(
-            f"ppo.minibatch_size = {p.minibatch_size} must divide ppo.batch_size = {p.batch_size}"
+        problem(
+            "ppo.minibatch_size ppo.batch_size",
+            f"ppo.minibatch_size = {p.minibatch_size} must divide ppo.batch_size = {p.batch_size}",
         )
     if p.minibatch_size % p.micro_batch_size:
-        problems.append(
+        problem(
+            "ppo.micro_batch_size ppo.minibatch_size",
             f"ppo.micro_batch_size = {p.micro_batch_size} must divide "
-            f"ppo.minibatch_size = {p.minibatch_size}"
+            f"ppo.minibatch_size = {p.minibatch_size}",
         )
     if p.score_norm and not p.score_scaling:
-        problems.append("ppo.score_norm = true needs ppo.score_scaling = true")
+        problem(
+            "ppo.score_norm ppo.score_scaling",
+            "ppo.score_norm = true needs ppo.score_scaling = true",
+        )
     g = r.generation
     if g.min_new_tokens > g.max_new_tokens:
-        problems.append(
+        problem(
+            "generation.min_new_tokens generation.max_new_tokens",
             f"generation.min_new_tokens = {g.min_new_tokens} exceeds "
-            f"generation.max_new_tokens = {g.max_new_tokens}"
+            f"generation.max_new_tokens = {g.max_new_tokens}",
+        )
+    if g.length_range and not (
+        len(g.length_range) == 2
+        and max(1, g.min_new_tokens) <= g.length_range[0] < g.length_range[1]
+        and g.length_range[1] <= g.max_new_tokens + 1
+    ):
+        problem(
+            "generation.length_range generation.max_new_tokens generation.min_new_tokens",
+            f"generation.length_range = {list(g.length_range)}: need [lo, hi] with "
+            f"max(1, generation.min_new_tokens) <= lo < hi <= generation.max_new_tokens + 1 = "
+            f"{g.max_new_tokens + 1} (hi is exclusive)",
         )
     d = r.data
     if (
         d.query_min_tokens or d.query_max_tokens
     ) and not 0 < d.query_min_tokens < d.query_max_tokens:
-        problems.append(
+        problem(
+            "data.query_min_tokens data.query_max_tokens",
             f"data.query_min_tokens = {d.query_min_tokens} and data.query_max_tokens = "
-            f"{d.query_max_tokens}: need 0 < min < max (max is exclusive)"
+            f"{d.query_max_tokens}: need 0 < min < max (max is exclusive)",
         )
     if d.eval_split and d.eval_holdout:
-        problems.append("data.eval_split and data.eval_holdout: set one, not both")
+        problem(
+            "data.eval_split data.eval_holdout",
+            "data.eval_split and data.eval_holdout: set one, not both",
+        )
     if any(not s for s in g.stop):
-        problems.append("generation.stop: stop strings must not be empty")
+        problem("generation.stop", "generation.stop: stop strings must not be empty")
     if not r.lora.target_modules:
-        problems.append("lora.target_modules: must name at least one module")
+        problem("lora.target_modules", "lora.target_modules: must name at least one module")
     for key, template, allowed in (
         ("data.prompt_template", r.data.prompt_template, None),
         ("cory.observer_template", r.cory.observer_template, {"query", "pioneer"}),
     ):
         names = template_fields(template)
         if names is None:
-            problems.append(f"{key} = {_show(template)}: malformed {{}} placeholders")
+            problem(key, f"{key} = {_show(template)}: malformed {{}} placeholders")
         elif any(not n.isidentifier() for n in names):
-            problems.append(f"{key} = {_show(template)}: placeholders must be plain names")
+            problem(key, f"{key} = {_show(template)}: placeholders must be plain names")
         elif allowed and not names <= allowed:
             unknown = ", ".join(sorted(names - allowed))
-            problems.append(f"{key}: unknown placeholder(s) {unknown} (known: query, pioneer)")
+            problem(key, f"{key}: unknown placeholder(s) {unknown} (known: query, pioneer)")
         elif allowed and "pioneer" not in names and r.train.algorithm == "cory":
-            problems.append(f"{key} must contain {{pioneer}}: the observer reads that answer")
+            problem(
+                f"{key} train.algorithm",
+                f"{key} must contain {{pioneer}}: the observer reads that answer",
+            )
     if ":" in r.reward.function and r.reward.function.count(":") != 1:
-        problems.append(f"reward.function = {_show(r.reward.function)}: expected module:function")
+        problem(
+            "reward.function",
+            f"reward.function = {_show(r.reward.function)}: expected module:function",
+        )
     trackers = ("tensorboard", "wandb", "trackio", "mlflow")
     unknown_trackers = [t for t in r.log.report_to if t not in trackers]
     if unknown_trackers:
-        problems.append(
+        problem(
+            "log.report_to",
             f"log.report_to: unknown tracker(s) {', '.join(unknown_trackers)} "
-            f"(known: {', '.join(trackers)})"
+            f"(known: {', '.join(trackers)})",
         )
     if r.reward.function == "http_reward" and not r.reward.url:
-        problems.append('reward.url: required by reward.function = "http_reward"')
+        problem("reward.url", 'reward.url: required by reward.function = "http_reward"')
     if r.reward.url and not r.reward.url.startswith(("http://", "https://")):
-        problems.append(f"reward.url = {_show(r.reward.url)}: expected an http:// or https:// URL")
+        problem(
+            "reward.url",
+            f"reward.url = {_show(r.reward.url)}: expected an http:// or https:// URL",
+        )
     return problems
 
 
@@ -530,55 +627,11 @@ def _show(value) -> str:
     return str(value)
 
 
-# --------------------------------------------------------------------------- resuming
-
-# Changing these makes a different run (other weights, data or objective): a resume is refused.
-RESUME_REFUSED = (
-    "model.name_or_path",
-    "model.load_in_4bit",
-    "model.dtype",
-    "model.trust_remote_code",
-    "lora",
-    "data",
-    "reward.function",
-    "reward.model",
-    "train.algorithm",
-    "train.seed",
-)
-# Changing these cannot change what is learned: allowed without a word.
-RESUME_FREE = (
-    "log",
-    "train.iterations",
-    "train.output_dir",
-    "train.checkpoint_every",
-    "train.keep_checkpoints",
-    "train.max_bad_updates",
-    "reward.batch_size",
-    "reward.timeout_s",
-    "reward.retries",
-)
-
-
-def resume_differences(old: Recipe, new: Recipe) -> tuple[list[str], list[str]]:
-    """(refused, noted): dotted keys whose values differ, split by what a resume allows.
-    Keys in neither list above (PPO and sampling settings, say) are allowed but noted."""
-    before, after = to_dict(old), to_dict(new)
-    changed = [
-        f"{section}.{key}"
-        for section, table in after.items()
-        for key, value in table.items()
-        if before[section][key] != value
-    ]
-    matches = lambda key, prefixes: any(key == p or key.startswith(p + ".") for p in prefixes)  # noqa: E731
-    refused = [k for k in changed if matches(k, RESUME_REFUSED)]
-    noted = [k for k in changed if not matches(k, RESUME_REFUSED) and not matches(k, RESUME_FREE)]
-    return refused, noted
-
-
-# --------------------------------------------------------------------------- writing
+# --------------------------------------------------------------------------- derived forms
 
 
 def to_dict(recipe: Recipe) -> dict:
+    """The recipe as plain TOML-able tables: {section: {key: value}} (tuples become lists)."""
     return {
         name: {
             k: list(v) if isinstance(v, tuple) else v
@@ -588,42 +641,8 @@ def to_dict(recipe: Recipe) -> dict:
     }
 
 
-def to_toml(recipe: Recipe) -> str:
-    """The resolved recipe as TOML that `load_recipe` reads back to an equal Recipe."""
-    lines = []
-    for section, table in to_dict(recipe).items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in table.items())
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # shortest round-trip form; finite by validation
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # JSON string escapes are valid TOML basic strings
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        items = ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items())
-        return "{ " + items + " }" if items else "{}"
-    raise TypeError(type(value))
-
-
-def describe_keys() -> str:
-    """Markdown documentation of every recipe key, generated from the dataclasses."""
-    out = ["# Recipe keys", "", "Generated by `cory-lora keys` from `cory_lora/config.py`.", ""]
-    for section, cls in SECTIONS.items():
-        out += [f"## [{section}]", "", "| key | default | meaning |", "|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            default = list(default) if isinstance(default, tuple) else default
-            shown = "(required)" if f.metadata.get("required") else f"`{_toml_value(default)}`"
-            out.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
-        out.append("")
-    return "\n".join(out)
+def greedy(recipe: Recipe) -> Recipe:
+    """The same recipe decoding greedily (temperature 0): for accuracy and `sample --greedy`."""
+    return dataclasses.replace(
+        recipe, generation=dataclasses.replace(recipe.generation, temperature=0.0)
+    )

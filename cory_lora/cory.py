@@ -13,11 +13,15 @@ Where we depart from the paper's code:
   roles are a pure function of the iteration, so they need no state of their own.
 * With `train.algorithm = "ppo"` the same episode has no observer: single-agent PPO on the same
   engine, so the baseline differs from CORY only by the algorithm.
+
+Ablations (recipe keys): `cory.transfer = false` (the observer does not see the pioneer's
+answer), `cory.swap_every = 0` (roles never exchanged), `cory.other_coef` 0 (self-only) or -1
+(competitive), and both of the first with other_coef 0: two independent agents.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,9 +50,25 @@ class Roles:
 
 def roles_at(iteration: int, swap_every: int, names: tuple[str, ...]) -> Roles:
     """Roles during `iteration` (0-based): llm1 pioneers first, then every swap_every iterations
-    the roles are exchanged."""
+    the roles are exchanged (swap_every = 0: never)."""
     roles = Roles(names[0], names[1] if len(names) > 1 else None)
-    return roles.swapped() if (iteration // swap_every) % 2 else roles
+    return roles.swapped() if swap_every and (iteration // swap_every) % 2 else roles
+
+
+def exchanges_roles_at(iteration: int, swap_every: int) -> bool:
+    """Whether the roles of `iteration` (0-based) differ from those of the iteration before."""
+    return swap_every > 0 and iteration > 0 and iteration % swap_every == 0
+
+
+def draw_response_length(recipe: Recipe, generator: torch.Generator) -> Recipe:
+    """The recipe for one iteration: with generation.length_range = [lo, hi], at most n new
+    tokens, n drawn from [lo, hi) once for the whole batch and both roles (the paper's IMDB
+    code); otherwise the recipe itself (nothing is drawn, the generator is untouched)."""
+    if not recipe.generation.length_range:
+        return recipe
+    lo, hi = recipe.generation.length_range
+    n = int(torch.randint(lo, hi, (1,), generator=generator, device=generator.device))
+    return replace(recipe, generation=replace(recipe.generation, max_new_tokens=n))
 
 
 @dataclass(frozen=True)
@@ -58,15 +78,15 @@ class Episode:
     roles: Roles
     prompts: PromptSet  # the queries and their dataset columns
     pioneer_prompts: list[str]  # B prompt texts (before any chat template; rewards see these)
-    pioneer: Generation
+    pioneer_generation: Generation  # the pioneer's answers
     pioneer_rewards: torch.Tensor  # [B] task reward of the pioneer's answers
     observer_prompts: list[str] | None
-    observer: Generation | None
+    observer_generation: Generation | None
     observer_rewards: torch.Tensor | None  # [B]
     truncated_prompts: int  # prompts cut to data.max_prompt_tokens in this episode
 
     def generation_of(self, name: str) -> Generation:
-        return self.pioneer if name == self.roles.pioneer else self.observer
+        return self.pioneer_generation if name == self.roles.pioneer else self.observer_generation
 
     def task_reward_of(self, name: str) -> torch.Tensor:
         return self.pioneer_rewards if name == self.roles.pioneer else self.observer_rewards
@@ -80,6 +100,21 @@ class Episode:
             self.roles.pioneer: self_coef * p + other_coef * o,
             self.roles.observer: self_coef * o + other_coef * p,
         }
+
+    def reward_problem(self, scores: torch.Tensor, reward_name: str) -> str | None:
+        """Why `scores` [B] cannot be learned from (NaN/inf from the reward), naming the
+        samples; None when they can."""
+        if torch.isfinite(scores).all():
+            return None
+        parts = []
+        for role, rewards in (
+            ("pioneer", self.pioneer_rewards),
+            ("observer", self.observer_rewards),
+        ):
+            if rewards is not None and not torch.isfinite(rewards).all():
+                bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+                parts.append(f"the {role}'s answers {bad[:8]}")
+        return f"reward {reward_name!r} returned NaN/inf for {' and '.join(parts)}"
 
 
 def play_episode(
@@ -98,19 +133,36 @@ def play_episode(
         format_prompt(data.prompt_template, q, row)
         for q, row in zip(prompts.queries, rows, strict=True)
     ]
-    pioneer, cut = _answer(agents, roles.pioneer, pioneer_prompts, recipe, stopping, generator)
+    pioneer, truncated_pioneer = _answer(
+        agents, roles.pioneer, pioneer_prompts, recipe, stopping, generator
+    )
     pioneer_rewards = reward(pioneer_prompts, pioneer.texts, prompts.columns)
     if roles.observer is None:
         return Episode(
-            roles, prompts, pioneer_prompts, pioneer, pioneer_rewards, None, None, None, cut
+            roles,
+            prompts,
+            pioneer_prompts,
+            pioneer,
+            pioneer_rewards,
+            None,
+            None,
+            None,
+            truncated_pioneer,
         )
-    observer_prompts = [
-        format_prompt(
-            data.prompt_template, recipe.cory.observer_template.format(query=q, pioneer=answer), row
-        )
-        for q, answer, row in zip(prompts.queries, pioneer.texts, rows, strict=True)
-    ]
-    observer, cut_o = _answer(agents, roles.observer, observer_prompts, recipe, stopping, generator)
+    if recipe.cory.transfer:
+        observer_prompts = [
+            format_prompt(
+                data.prompt_template,
+                recipe.cory.observer_template.format(query=q, pioneer=answer),
+                row,
+            )
+            for q, answer, row in zip(prompts.queries, pioneer.texts, rows, strict=True)
+        ]
+    else:  # the no-transfer ablation: the observer answers the query as the pioneer does
+        observer_prompts = list(pioneer_prompts)
+    observer, truncated_observer = _answer(
+        agents, roles.observer, observer_prompts, recipe, stopping, generator
+    )
     observer_rewards = reward(pioneer_prompts, observer.texts, prompts.columns)
     return Episode(
         roles,
@@ -121,18 +173,20 @@ def play_episode(
         observer_prompts,
         observer,
         observer_rewards,
-        cut + cut_o,
+        truncated_pioneer + truncated_observer,
     )
 
 
 def _answer(agents, name, texts, recipe, stopping, generator) -> tuple[Generation, int]:
-    """Agent `name` answers each prompt text (chat-templated here when the recipe says so)."""
+    """Agent `name` answers each prompt text (chat-templated here when the recipe says so);
+    also returns how many prompts were cut to data.max_prompt_tokens."""
     data = recipe.data
     rendered = [render(agents.tokenizer, data, text) for text in texts]
-    ids, cut = encode_prompts(
+    ids, truncated = encode_prompts(
         agents.tokenizer, rendered, data.max_prompt_tokens, data.chat_template
     )
     with agents.use(name):
-        return generate(
+        generation = generate(
             agents.model, agents.tokenizer, ids, recipe.generation, stopping, generator
-        ), cut
+        )
+    return generation, truncated

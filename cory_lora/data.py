@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from cory_lora.config import DataConfig, template_fields
-from cory_lora.errors import UserError
+from cory_lora.errors import UserError, first_line
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -137,8 +137,7 @@ def _load_split(cfg: DataConfig, split: str):
     except KeyError:
         raise UserError(f"{key}: has no split {split!r}") from None
     except Exception as e:  # datasets raises many types: not found, offline, bad split, bad file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{key} (split {split!r}) could not be loaded: {reason}") from None
+        raise UserError(f"{key} (split {split!r}) could not be loaded: {first_line(e)}") from None
 
 
 def format_prompt(template: str, query: str, row: dict) -> str:

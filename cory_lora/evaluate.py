@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from cory_lora.config import Recipe, load_recipe
+from cory_lora.config import Recipe, greedy, load_recipe, template_fields
 from cory_lora.cory import Roles, play_episode
 from cory_lora.data import PromptSet, load_eval_prompts
 from cory_lora.errors import UserError
@@ -29,7 +29,6 @@ from cory_lora.generation import Generation
 from cory_lora.model import BASE, Agents, load_agents
 from cory_lora.outputs import atomic_write_text
 from cory_lora.rewards import Reward, load_reward
-from cory_lora.train import stopping_for
 from cory_lora.update import sequence_kl
 
 
@@ -111,8 +110,8 @@ class _Evaluator:
     def __init__(self, recipe, agents, reward: Reward, prompts: PromptSet, ks, n):
         self.recipe, self.agents, self.reward, self.prompts = recipe, agents, reward, prompts
         self.ks, self.n = ks, n
-        self.stopping = stopping_for(agents, recipe)
-        self.greedy = replace(recipe, generation=replace(recipe.generation, temperature=0.0))
+        self.stopping = agents.stopping(recipe.generation.stop)
+        self.greedy = greedy(recipe)
         self.repeated = prompts.take([i for i in range(len(prompts)) for _ in range(n)])
 
     def _episode(self, recipe, roles, prompts):
@@ -134,23 +133,20 @@ class _Evaluator:
         return EvalRow(name, task, kl, task - self.recipe.log.eta * kl, accuracy, pass_at)
 
     def _kl(self, name: str, gen: Generation) -> float:
-        temperature = self.recipe.generation.temperature or 1.0
-        return float(
-            sequence_kl(
-                self.agents, name, gen, self.recipe.ppo.micro_batch_size, temperature
-            ).mean()
-        )
+        temperature = self.recipe.generation.scoring_temperature
+        kl = sequence_kl(self.agents, name, gen, self.recipe.ppo.micro_batch_size, temperature)
+        return float(kl.mean())
 
     def alone(self, name: str) -> EvalRow:
         greedy = self._episode(self.greedy, Roles(name, None), self.prompts)
         sampled = self._episode(self.recipe, Roles(name, None), self.repeated)
-        kl = self._kl(name, sampled.pioneer)
+        kl = self._kl(name, sampled.pioneer_generation)
         return self._row(name, greedy.pioneer_rewards, sampled.pioneer_rewards, kl)
 
     def pair(self, roles: Roles) -> EvalRow:
         greedy = self._episode(self.greedy, roles, self.prompts)
         sampled = self._episode(self.recipe, roles, self.repeated)
-        kl = self._kl(roles.observer, sampled.observer)
+        kl = self._kl(roles.observer, sampled.observer_generation)
         name = f"{roles.pioneer}→{roles.observer}"
         return self._row(name, greedy.observer_rewards, sampled.observer_rewards, kl)
 
@@ -158,3 +154,28 @@ class _Evaluator:
         greedy = self._episode(self.greedy, Roles(BASE, None), self.prompts)
         sampled = self._episode(self.recipe, Roles(BASE, None), self.repeated)
         return self._row(BASE, greedy.pioneer_rewards, sampled.pioneer_rewards, 0.0)
+
+
+def sample_answers(
+    run_dir: Path, prompt: str, agent: str, n: int, greedy_decoding: bool, seed: int
+) -> list[str]:
+    """Agent `agent`'s (or the base's) answers to `prompt`, formatted like the recipe's prompts."""
+    recipe, agents = load_run(run_dir)
+    if agent not in (*agents.names, BASE):
+        raise UserError(f"--agent {agent!r}: this run has {', '.join(agents.names)} (or base)")
+    if greedy_decoding:
+        recipe = greedy(recipe)
+    if not (template_fields(recipe.data.prompt_template) or set()) <= {"query"}:
+        # the template needs dataset columns we do not have here: use the query as it is
+        recipe = replace(recipe, data=replace(recipe.data, prompt_template="{query}"))
+    no_reward = Reward("none", lambda prompts, completions, **_: [0.0] * len(completions))
+    episode = play_episode(
+        agents,
+        Roles(agent, None),
+        PromptSet([prompt] * n, {}),
+        recipe,
+        no_reward,
+        agents.stopping(recipe.generation.stop),
+        torch.Generator(agents.device).manual_seed(seed),
+    )
+    return episode.pioneer_generation.texts

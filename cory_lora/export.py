@@ -21,13 +21,12 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from cory_lora.config import Recipe, load_recipe
-from cory_lora.errors import UserError
+from cory_lora.errors import UserError, first_line
 from cory_lora.model import VALUE_HEAD_FILE, check_model_path, looks_like_a_path
-from cory_lora.outputs import fsync_tree
+from cory_lora.outputs import atomic_directory
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
 
@@ -54,8 +53,7 @@ def export_agent(
             "overwrites)"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with atomic_directory(out) as tmp:  # built beside `out`, renamed into place when whole
         if merge:
             dtype = _write_merged(recipe, adapter, tmp, device)
         else:
@@ -66,11 +64,6 @@ def export_agent(
         card = model_card(recipe, run_dir, agent, merged=merge, dtype=dtype)
         (tmp / "README.md").write_text(card, encoding="utf-8")
         _shareable(tmp)
-        fsync_tree(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -106,7 +99,7 @@ def base_dtype(recipe: Recipe):
     except (OSError, ValueError) as e:
         raise UserError(
             f"model.name_or_path = {recipe.model.name_or_path!r}: cannot read the base's config "
-            f"to merge into it: {e}"
+            f"to merge into it: {first_line(e)}"
         ) from None
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
@@ -285,10 +278,9 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
             commit_message=f"cory-lora export of {Path(folder).name}",
         )
     except Exception as e:  # no network, no token, no permission: one message, the export stays
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"--push-to-hub {repo_id!r} failed ({reason}); the export is complete in {folder}; "
-            "log in with `huggingface-cli login` (or set HF_TOKEN) and push again with "
+            f"--push-to-hub {repo_id!r} failed ({first_line(e)}); the export is complete in "
+            f"{folder}; log in with `huggingface-cli login` (or set HF_TOKEN) and push again with "
             f"`huggingface-cli upload {repo_id} {folder}`"
         ) from None
     return str(url)

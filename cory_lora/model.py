@@ -19,11 +19,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cory_lora.config import ModelConfig, Recipe
-from cory_lora.errors import UserError
-from cory_lora.generation import position_ids
+from cory_lora.errors import ConfigError, Problem, UserError, first_line
+from cory_lora.generation import Stopping, position_ids
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 BASE = "base"  # `agents.use(BASE)`: the base model, adapters disabled (the reference)
+
+
+def is_lora_of(parameter_name: str, adapter: str) -> bool:
+    """Whether a PEFT parameter name belongs to adapter `adapter`'s LoRA matrices."""
+    return f".{adapter}." in parameter_name and "lora_" in parameter_name
 
 
 class Agents:
@@ -89,18 +94,41 @@ class Agents:
         """Agent `name`'s value estimates. hidden [B, T, H] -> [B, T] float32."""
         return self.value_heads[name](hidden.float()).squeeze(-1)
 
+    def lora_parameters(self, name: str) -> list[torch.nn.Parameter]:
+        """Agent `name`'s LoRA matrices (its policy, on top of the shared base)."""
+        return [p for n, p in self.model.named_parameters() if is_lora_of(n, name)]
+
     def trainable_parameters(self, name: str) -> list[torch.nn.Parameter]:
         """Agent `name`'s own parameters: its LoRA matrices and its value head."""
-        lora = [p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n]
-        return lora + list(self.value_heads[name].parameters())
+        return self.lora_parameters(name) + list(self.value_heads[name].parameters())
 
-    def adapter_state(self, name: str) -> dict[str, torch.Tensor]:
-        """Agent `name`'s LoRA weights and value head, by parameter name (for tests and checks)."""
-        state = {
-            n: p for n, p in self.model.named_parameters() if f".{name}." in n and "lora_" in n
-        }
-        state.update({f"value_head.{k}": v for k, v in self.value_heads[name].state_dict().items()})
-        return state
+    def stopping(self, stop_strings: tuple[str, ...]) -> Stopping:
+        """EOS ids from the tokenizer and the model's generation config, plus `stop_strings`."""
+        eos = {self.tokenizer.eos_token_id}
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        eos |= set(configured) if isinstance(configured, list) else {configured}
+        eos.discard(None)
+        return Stopping(tuple(sorted(eos)), stop_strings)
+
+    def check_context(self, recipe: Recipe) -> None:
+        """Prompt plus response must fit the model's context (prompts are cut to
+        data.max_prompt_tokens): a recipe error, found before any training."""
+        config = self.model.config.get_text_config()
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        needed = recipe.data.max_prompt_tokens + recipe.generation.max_new_tokens
+        if limit is not None and needed > limit:
+            keys = ("data.max_prompt_tokens", "generation.max_new_tokens")
+            raise ConfigError(
+                [
+                    Problem(
+                        keys,
+                        f"data.max_prompt_tokens + generation.max_new_tokens = {needed} exceeds "
+                        f"the model's context of {limit} tokens ({recipe.model.name_or_path})",
+                    )
+                ]
+            )
 
     def save(self, directory: Path, names: tuple[str, ...] | None = None) -> None:
         """Write `directory/<name>/`: a PEFT adapter directory plus value_head.safetensors."""
@@ -121,42 +149,13 @@ class Agents:
             adapter = Path(directory) / name
             weights = load_file(str(adapter / "adapter_model.safetensors"), device=str(self.device))
             result = set_peft_model_state_dict(self.model, weights, adapter_name=name)
-            missing = [k for k in result.missing_keys if f".{name}." in k and "lora_" in k]
+            missing = [k for k in result.missing_keys if is_lora_of(k, name)]
             if missing or result.unexpected_keys:
                 raise UserError(
                     f"{adapter}: adapter weights do not match this model and LoRA shape"
                 )
             head = load_file(str(adapter / VALUE_HEAD_FILE), device=str(self.device))
             self.value_heads[name].load_state_dict(head)
-
-    def parameter_bytes(self) -> int:
-        """Bytes of every distinct tensor storage the agents hold (weights, quantisation state,
-        adapters, value heads), each storage counted once however many modules share it."""
-        seen: dict[int, int] = {}
-        for t in self._tensors():
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
-
-    def base_storages(self) -> set[int]:
-        """Data pointers of the frozen base weights reachable from the model right now."""
-        return {
-            p.untyped_storage().data_ptr()
-            for n, p in self.model.named_parameters()
-            if "lora_" not in n
-        }
-
-    def _tensors(self) -> Iterator[torch.Tensor]:
-        for module in (self.model, self.value_heads):
-            yield from module.parameters()
-            yield from module.buffers()
-        for module in self.model.modules():  # bitsandbytes keeps 4-bit scales beside the weight
-            state = getattr(getattr(module, "weight", None), "quant_state", None)
-            if state is not None:
-                yield from (t for t in vars(state).values() if isinstance(t, torch.Tensor))
-                nested = getattr(state, "state2", None)
-                if nested is not None:
-                    yield from (t for t in vars(nested).values() if isinstance(t, torch.Tensor))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -222,7 +221,6 @@ def nf4_config(compute_dtype: torch.dtype):
 def load_base_model(cfg: ModelConfig):
     """The base causal LM: loaded once, frozen, dropout off (rollout and update logprobs match)."""
     from transformers import AutoModelForCausalLM
-    from trl.trainer.utils import disable_dropout_in_model
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -240,7 +238,9 @@ def load_base_model(cfg: ModelConfig):
     except (OSError, ValueError) as e:
         raise _load_error(cfg, e) from None
     model.requires_grad_(False)
-    disable_dropout_in_model(model)
+    for module in model.modules():  # rollout and update logprobs must agree
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     if cfg.load_in_4bit and device.type == "cpu":
         keep_4bit_differentiable_on_cpu(model)
     if cfg.gradient_checkpointing:
@@ -330,7 +330,7 @@ def _copy_adapter(model, source: str, target: str) -> None:
     params = dict(model.named_parameters())
     with torch.no_grad():
         for n, p in params.items():
-            if f".{source}." in n and "lora_" in n:
+            if is_lora_of(n, source):
                 params[n.replace(f".{source}.", f".{target}.")].copy_(p)
 
 
@@ -339,7 +339,7 @@ def _target_modules(modules: tuple[str, ...]):
 
 
 def _load_error(cfg: ModelConfig, error: Exception) -> UserError:
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    reason = first_line(error)
     if Path(cfg.name_or_path).is_dir():
         return UserError(f"model.name_or_path = {cfg.name_or_path!r}: cannot load it: {reason}")
     return UserError(

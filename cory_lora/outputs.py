@@ -1,8 +1,10 @@
-"""The run directory: config.toml, metrics.jsonl, samples.jsonl and final/ adapters.
+"""The run directory: config.toml, metrics.jsonl, samples.jsonl and final/ adapters, and the
+atomic-write helpers every module that writes a file uses.
 
 Files are written so that a reader never sees half of one: whole files via a temporary file,
-fsync and rename; JSONL lines appended whole and flushed; directories built under a temporary
-name and renamed into place.
+fsync and rename (`atomic_file`); JSONL lines appended whole and flushed; directories built under
+a temporary name and renamed into place (`atomic_directory`). Temporary names start with '.',
+so a resume can find and remove what a killed process left behind.
 """
 
 from __future__ import annotations
@@ -11,8 +13,11 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from cory_lora.config import Recipe, to_dict
 from cory_lora.errors import UserError
 
 RUN_FILES = (
@@ -29,17 +34,44 @@ RUN_FILES = (
 )
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+@contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path` (same suffix, so writers that go by the suffix work);
+    when the block succeeds it is fsynced and renamed to `path`, else removed."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=path.suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
+        yield Path(tmp)
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+@contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `path`; when the block succeeds every file in it is
+    fsynced and it replaces `path` (an existing one is removed first), else it is removed."""
+    path = Path(path)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
@@ -48,6 +80,70 @@ def fsync_tree(directory: Path) -> None:
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete JSON line of a file; a last line cut short by a crash is left out."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    return records
+
+
+def nothing_to_resume(path: Path, why: str) -> UserError:
+    return UserError(f"nothing to resume in {str(path)!r}: {why}")
+
+
+def check_holds_a_run(path: Path) -> None:
+    """A directory to resume must hold a run (its config.toml)."""
+    if not (Path(path) / "config.toml").is_file():
+        raise nothing_to_resume(path, "it holds no run")
+
+
+# --------------------------------------------------------------------------- recipe as TOML
+
+
+def recipe_toml(recipe: Recipe) -> str:
+    """The resolved recipe as TOML that `config.load_recipe` reads back to an equal Recipe."""
+    lines = []
+    for section, table in to_dict(recipe).items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in table.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)  # shortest round-trip form; finite by validation
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic strings
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    raise TypeError(type(value))
+
+
+# --------------------------------------------------------------------------- the run directory
 
 
 class RunDir:
@@ -62,8 +158,7 @@ class RunDir:
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"output directory {str(self.path)!r} is a file")
         if resume:
-            if not (self.path / "config.toml").is_file():
-                raise UserError(f"nothing to resume in {str(self.path)!r}: it holds no run")
+            check_holds_a_run(self.path)
             return
         existing = self._existing()
         if existing and not overwrite:
@@ -89,8 +184,8 @@ class RunDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return self
 
-    def write_config(self, toml_text: str) -> None:
-        atomic_write_text(self.path / "config.toml", toml_text)
+    def write_config(self, recipe: Recipe) -> None:
+        atomic_write_text(self.path / "config.toml", recipe_toml(recipe))
 
     def append(self, filename: str, records: list[dict]) -> None:
         """Append JSON lines; each line is written whole and flushed to disk."""
@@ -130,19 +225,10 @@ class RunDir:
             shutil.rmtree(final)
 
     def save_final(self, agents) -> Path:
-        """Write final/<agent>/ atomically: built in a temporary directory, then renamed."""
-        final = self.path / "final"
-        tmp = Path(tempfile.mkdtemp(dir=self.path, prefix=".final."))
-        try:
+        """Write final/<agent>/ atomically."""
+        with atomic_directory(self.path / "final") as tmp:
             agents.save(tmp)
-            fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final
+        return self.path / "final"
 
     def discard_if_empty_run(self) -> None:
         """After a failure before any iteration finished, remove what this run created."""

@@ -9,11 +9,11 @@ eta: up and to the left is better.
 
 from __future__ import annotations
 
-import json
 import tomllib
 from pathlib import Path
 
 from cory_lora.errors import UserError
+from cory_lora.outputs import atomic_file, read_jsonl
 
 PANELS = (
     ("task_reward", "task reward"),
@@ -27,7 +27,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise UserError(f"{run_dir}: no metrics.jsonl (not a run directory, or no iteration done)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(path)
     if not rows:
         raise UserError(f"{path} is empty")
     return rows
@@ -94,8 +94,7 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{out.suffix}")
-    fig.savefig(tmp, dpi=100)
+    with atomic_file(out) as tmp:  # a reader never sees half a picture
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    tmp.replace(out)  # a reader never sees half a picture
     return out

@@ -17,6 +17,43 @@ from typing import NamedTuple
 
 import torch
 
+# --------------------------------------------------------------------------- log-probabilities
+# Our own, in plain PyTorch: TRL's versions dispatch to a Triton kernel on CUDA whenever triton is
+# importable, which needs a C compiler at run time and breaks the no-Triton promise.
+
+
+def selective_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, rows_per_chunk: int = 1
+) -> torch.Tensor:
+    """log softmax(logits / temperature) at `tokens`, in float32. [B, T, V], [B, T] -> [B, T].
+
+    Computed as logit - logsumexp(logits) a few rows at a time, so the float32 copy of the
+    logits and the softmax never exist for the whole batch at once (memory), and in float32
+    whatever the logits' dtype (bf16 logsumexp is unstable).
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
+    out = []
+    for rows, ids in zip(logits.split(rows_per_chunk), tokens.split(rows_per_chunk), strict=True):
+        rows = rows.float()
+        if temperature != 1.0:
+            rows = rows / temperature
+        picked = torch.gather(rows, -1, ids.unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(rows, dim=-1))
+    return torch.cat(out)
+
+
+def entropy(logits: torch.Tensor, rows_per_chunk: int = 128) -> torch.Tensor:
+    """Shannon entropy (nats) of softmax(logits) along the last axis, in float32.
+    [..., V] -> [...], a chunk of rows at a time (memory)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for chunk in flat.split(rows_per_chunk):
+        logp = chunk.float().log_softmax(-1)
+        parts.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(parts).reshape(logits.shape[:-1])
+
+
 # --------------------------------------------------------------------------- masked statistics
 
 
@@ -116,6 +153,7 @@ class PolicyLoss(NamedTuple):
     loss: torch.Tensor  # scalar, differentiable
     clipped_tokens: torch.Tensor  # scalar count of tokens where the clipped term was active
     approx_kl_sum: torch.Tensor  # scalar, sum over tokens of 0.5 * (log ratio)^2
+    ratio_sum: torch.Tensor  # scalar, sum over tokens of the ratio (for its mean)
 
 
 def policy_loss(
@@ -138,7 +176,8 @@ def policy_loss(
     with torch.no_grad():
         clipped_tokens = ((clipped > unclipped).float() * mask).sum()
         approx_kl_sum = (0.5 * log_ratio**2 * mask).sum()
-    return PolicyLoss(loss, clipped_tokens, approx_kl_sum)
+        ratio_sum = (ratio * mask).sum()
+    return PolicyLoss(loss, clipped_tokens, approx_kl_sum, ratio_sum)
 
 
 def value_loss(

@@ -31,9 +31,9 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from cory_lora.config import Recipe, to_dict, to_toml
-from cory_lora.errors import UserError
-from cory_lora.outputs import atomic_write_text
+from cory_lora.config import Recipe, to_dict
+from cory_lora.errors import UserError, first_line
+from cory_lora.outputs import atomic_write_text, recipe_toml
 
 STATE_FILE = "trackers.json"
 # What each tracker imports (only when named), and so what must be installed.
@@ -156,7 +156,8 @@ def open_trackers(recipe: Recipe, run_dir: Path, resume: bool = False, done: int
                 ) from None
             except Exception as e:  # a tracker's service or settings: say which one failed
                 raise UserError(
-                    f"log.report_to: {name} could not start a run: {type(e).__name__}: {e}"
+                    f"log.report_to: {name} could not start a run: {type(e).__name__}: "
+                    f"{first_line(e)}"
                 ) from None
     except BaseException:
         Trackers(sinks).close()
@@ -187,7 +188,9 @@ class TensorBoardSink:
         self.writer = SummaryWriter(
             log_dir=str(run_dir / "tensorboard"), purge_step=done + 1 if resume else None
         )
-        self.writer.add_text("recipe", "```toml\n" + to_toml(recipe) + "\n```", global_step=done)
+        self.writer.add_text(
+            "recipe", "```toml\n" + recipe_toml(recipe) + "\n```", global_step=done
+        )
         self.writer.flush()
 
     def log(self, scalars: dict[str, float], step: int) -> None:
@@ -284,7 +287,7 @@ class MlflowSink:
                 }
             )
         self.run_id = run.info.run_id
-        mlflow.log_text(to_toml(recipe), "config.toml")  # the recipe now running
+        mlflow.log_text(recipe_toml(recipe), "config.toml")  # the recipe now running
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         values = {k: v for k, v in scalars.items() if k != "iteration"}

@@ -1,39 +1,25 @@
-"""One agent's side of an iteration: score its episodes (logprobs, values, reference logprobs,
-KL, advantages), then run PPO epochs over them with that agent's own optimizer.
+"""One agent's side of an iteration: turn its episodes into a scored `Rollout` (logprobs,
+values, reference logprobs, KL, advantages), then run PPO epochs over it with that agent's own
+optimizer, and move its KL coefficient. `train_agent` is the whole step, behind one call.
 
-Everything an agent learns with stays with its adapter name (`AgentState`), so a role exchange
-moves nothing: the optimizer moments, KL coefficient and score statistics follow the adapter.
+Everything an agent learns with stays with its adapter name (`state.AgentState`), so a role
+exchange moves nothing: the optimizer moments, KL coefficient and score statistics follow the
+adapter.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
 from cory_lora import faults, ppo
-from cory_lora.config import PPOConfig
+from cory_lora.config import PPOConfig, Recipe
 from cory_lora.generation import Generation
 from cory_lora.model import Agents
-
-
-@dataclass
-class AgentState:
-    """An agent's training state (mutable: it is what training changes)."""
-
-    optimizer: torch.optim.Optimizer
-    kl_ctl: ppo.KLController
-    score_moments: ppo.RunningMoments | None
-
-
-def new_agent_state(agents: Agents, name: str, cfg: PPOConfig) -> AgentState:
-    optimizer = torch.optim.AdamW(
-        agents.trainable_parameters(name), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
-    )
-    kl_ctl = ppo.KLController(cfg.init_kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
-    return AgentState(optimizer, kl_ctl, ppo.RunningMoments() if cfg.score_scaling else None)
+from cory_lora.state import AgentState
 
 
 @dataclass(frozen=True)
@@ -58,6 +44,110 @@ class Rollout:
         return ((self.logprobs - self.ref_logprobs) * self.mask).sum(1)
 
 
+LOSS_KEYS = (
+    "policy_loss",
+    "value_loss",
+    "clipfrac",
+    "approx_kl",
+    "entropy",
+    "grad_norm",
+    "ratio_skipped",
+)
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """An agent's update happened. kl and kl_coef describe the rollout it learned from."""
+
+    kl: float  # mean sequence KL (k1) of the rollout
+    kl_penalty: float  # mean over episodes of the summed per-token KL the penalty used
+    kl_coef: float  # the beta the rollout's rewards were penalised with
+    policy_loss: float
+    value_loss: float
+    clipfrac: float
+    approx_kl: float
+    entropy: float
+    grad_norm: float
+    ratio_skipped: float  # share of micro-batches zeroed by ppo.ratio_threshold
+
+    def metrics(self) -> dict:
+        return dataclasses.asdict(self) | {"update_skipped": 0}
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An agent's update was skipped this iteration, and why; the agent is as it was."""
+
+    reason: str
+    kl: float | None  # of the rollout, when one could be scored
+    kl_penalty: float | None
+    kl_coef: float
+
+    def metrics(self) -> dict:
+        known = {"kl": self.kl, "kl_penalty": self.kl_penalty, "kl_coef": self.kl_coef}
+        return known | {"update_skipped": 1} | dict.fromkeys(LOSS_KEYS)
+
+
+def train_agent(
+    agents: Agents,
+    name: str,
+    state: AgentState,
+    generation: Generation,
+    scores: torch.Tensor,
+    reward_problem: str | None,
+    recipe: Recipe,
+    generator: torch.Generator,
+) -> UpdateStats | Skipped:
+    """Agent `name`'s whole step: score its episodes into a rollout, update it with PPO, then
+    move its KL coefficient with the rollout's KL (beta changes after the iteration that used
+    it). NaN/inf anywhere (rewards, rollout, loss or gradient) skips the update instead,
+    leaving the agent exactly as it was; `state` counts the skips. With Elastic Reset the
+    adapter's EMA follows each update.
+
+    generation: the agent's episodes; scores [B]: its score per episode (collective reward);
+    reward_problem: why the scores cannot be learned from (Episode.reward_problem), or None.
+    """
+    cfg, temperature = recipe.ppo, recipe.generation.scoring_temperature
+    outcome = _update_or_skip(
+        agents, name, state, generation, scores, reward_problem, cfg, temperature, generator
+    )
+    skipped = isinstance(outcome, Skipped)
+    state.bad_streak = state.bad_streak + 1 if skipped else 0
+    state.skipped += skipped
+    return outcome
+
+
+def _update_or_skip(
+    agents, name, state, generation, scores, reward_problem, cfg, temperature, generator
+):
+    kl_coef = state.kl_ctl.value
+    if reward_problem is not None:
+        return Skipped(reward_problem, None, None, kl_coef)
+    rollout = make_rollout(agents, name, generation, scores, state, cfg, temperature)
+    kl = float(rollout.sequence_kl.mean())
+    # The controller follows the KL the penalty uses (k1, k3 or full), summed per episode, as
+    # TRL 0.x's does; `kl` (always k1) is what we report, so runs compare whatever the penalty.
+    kl_penalty = float(rollout.kl.sum(1).mean())
+    problem = first_non_finite(rollout)
+    if problem:
+        return Skipped(f"non-finite {problem}", kl, kl_penalty, kl_coef)
+    params = agents.trainable_parameters(name)
+    saved_params = [p.detach().clone() for p in params]
+    saved_optimizer = copy.deepcopy(state.optimizer.state_dict())
+    try:
+        losses = ppo_update(agents, name, state, rollout, cfg, temperature, generator)
+    except NonFiniteUpdate as e:  # put the agent back exactly as it was before the update
+        with torch.no_grad():
+            for p, saved in zip(params, saved_params, strict=True):
+                p.copy_(saved)
+        state.optimizer.load_state_dict(saved_optimizer)
+        return Skipped(str(e), kl, kl_penalty, kl_coef)
+    state.kl_ctl.update(kl_penalty, len(scores))
+    if state.ema is not None:
+        state.ema.update()
+    return UpdateStats(kl, kl_penalty, kl_coef, **losses)
+
+
 class NonFiniteUpdate(Exception):
     """A loss or gradient turned NaN/inf during an update."""
 
@@ -70,46 +160,9 @@ def first_non_finite(rollout: Rollout) -> str | None:
     return None
 
 
-def guarded_update(
-    agents: Agents,
-    name: str,
-    state: AgentState,
-    rollout: Rollout,
-    cfg: PPOConfig,
-    temperature: float,
-    generator: torch.Generator,
-) -> UpdateStats | str:
-    """`ppo_update`, or the reason it was skipped. A NaN/inf in the rollout skips the update; one
-    in a loss or gradient mid-update puts the agent back exactly as it was before the update."""
-    problem = first_non_finite(rollout)
-    if problem:
-        return f"non-finite {problem}"
-    params = agents.trainable_parameters(name)
-    saved_params = [p.detach().clone() for p in params]
-    saved_optimizer = copy.deepcopy(state.optimizer.state_dict())
-    try:
-        return ppo_update(agents, name, state, rollout, cfg, temperature, generator)
-    except NonFiniteUpdate as e:
-        with torch.no_grad():
-            for p, saved in zip(params, saved_params, strict=True):
-                p.copy_(saved)
-        state.optimizer.load_state_dict(saved_optimizer)
-        return str(e)
-
-
-@dataclass(frozen=True)
-class UpdateStats:
-    policy_loss: float
-    value_loss: float
-    clipfrac: float
-    approx_kl: float
-    entropy: float
-    grad_norm: float
-
-
 def _logprobs(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """logits [B, T+1, V] (last position unused) -> logprobs of response_ids [B, T] (float32)."""
-    return selective_log_softmax(logits[:, :-1].float(), response_ids, temperature=temperature)
+    return ppo.selective_logprobs(logits[:, :-1], response_ids, temperature)
 
 
 def sequences(gen: Generation) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +201,7 @@ def sequence_kl(
 
 
 @torch.no_grad()
-def score_rollout(
+def make_rollout(
     agents: Agents,
     name: str,
     gen: Generation,
@@ -157,7 +210,8 @@ def score_rollout(
     cfg: PPOConfig,
     temperature: float,
 ) -> Rollout:
-    """Logprobs, values, reference logprobs and advantages for agent `name`'s episodes.
+    """Agent `name`'s episodes as a Rollout: logprobs, values, reference logprobs, per-token
+    KL penalty and advantages.
 
     raw_scores [B]: the agent's score per episode (its collective reward in CORY).
     """
@@ -212,14 +266,15 @@ def ppo_update(
     cfg: PPOConfig,
     temperature: float,
     generator: torch.Generator,
-) -> UpdateStats:
-    """cfg.epochs passes over the rollout in shuffled minibatches; one optimizer step each."""
+) -> dict[str, float]:
+    """cfg.epochs passes over the rollout in shuffled minibatches; one optimizer step each.
+    Returns the mean losses and diagnostics (LOSS_KEYS); raises NonFiniteUpdate on NaN/inf."""
     params = agents.trainable_parameters(name)
     T = rollout.response_ids.shape[1]
     # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
-    keys = ("policy", "value", "clipped", "approx_kl", "entropy", "grad_norm", "tokens")
+    keys = ("policy", "value", "clipped", "approx_kl", "entropy", "grad_norm", "tokens", "skips")
     sums = {k: torch.zeros((), device=rollout.mask.device) for k in keys}
-    steps = 0
+    steps = micro_batches = 0
     agents.model.train()  # LoRA dropout, if any, acts in updates only; base dropout is off
     try:
         with agents.use(name):
@@ -252,11 +307,22 @@ def ppo_update(
                             cfg.value_clip_range,
                             n_tokens,
                         )
-                        (pg.loss + cfg.vf_coef * vf).backward()
+                        loss = pg.loss + cfg.vf_coef * vf
+                        if cfg.ratio_threshold:
+                            # TRL 0.x's guard: a micro-batch whose mean ratio explodes teaches
+                            # nothing; multiplying by a 0/1 tensor avoids a CPU-GPU sync.
+                            mean_ratio = pg.ratio_sum / mask.sum().clamp(min=1)
+                            keep = (mean_ratio <= cfg.ratio_threshold).float()
+                            loss, pg_loss, vf = loss * keep, pg.loss * keep, vf * keep
+                            sums["skips"] += 1 - keep
+                        else:
+                            pg_loss = pg.loss
+                        loss.backward()
+                        micro_batches += 1
                         with torch.no_grad():
-                            entropy = entropy_from_logits(logits[:, :-1].float())
+                            entropy = ppo.entropy(logits[:, :-1])
                             sums["entropy"] += (entropy * mask).sum()
-                            sums["policy"] += pg.loss.detach()
+                            sums["policy"] += pg_loss.detach()
                             sums["value"] += vf.detach()
                             sums["clipped"] += pg.clipped_tokens
                             sums["approx_kl"] += pg.approx_kl_sum
@@ -273,11 +339,12 @@ def ppo_update(
         agents.model.eval()
         state.optimizer.zero_grad(set_to_none=True)  # frees gradient memory before generation
     totals = {k: float(v) for k, v in sums.items()}
-    return UpdateStats(
-        policy_loss=totals["policy"] / steps,
-        value_loss=totals["value"] / steps,
-        clipfrac=totals["clipped"] / totals["tokens"],
-        approx_kl=totals["approx_kl"] / totals["tokens"],
-        entropy=totals["entropy"] / totals["tokens"],
-        grad_norm=totals["grad_norm"] / steps,
-    )
+    return {
+        "policy_loss": totals["policy"] / steps,
+        "value_loss": totals["value"] / steps,
+        "clipfrac": totals["clipped"] / totals["tokens"],
+        "approx_kl": totals["approx_kl"] / totals["tokens"],
+        "entropy": totals["entropy"] / totals["tokens"],
+        "grad_norm": totals["grad_norm"] / steps,
+        "ratio_skipped": totals["skips"] / micro_batches,
+    }

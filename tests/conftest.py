@@ -13,8 +13,6 @@ import torch
 from cory_lora.config import recipe_from_dict
 from cory_lora.tiny import char_tokenizer, tiny_llama_config
 
-ROOT = Path(__file__).resolve().parent.parent
-
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -72,14 +70,3 @@ def tiny_recipe(tiny_model_dir, arith_file):
         return recipe_from_dict(tiny_recipe_dict(tiny_model_dir, arith_file, **sections))
 
     return make
-
-
-def write_recipe(path: Path, raw: dict) -> Path:
-    from cory_lora.config import _toml_value
-
-    lines = []
-    for section, table in raw.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from cory_lora.config import describe_keys, load_recipe, recipe_from_dict, to_toml
+from cory_lora.cli import describe_keys
+from cory_lora.config import load_recipe, recipe_from_dict
 from cory_lora.errors import ConfigError
+from cory_lora.outputs import recipe_toml
 
-ROOT = Path(__file__).resolve().parent.parent
+from .helpers import ROOT
+
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 
 MINIMAL = {
@@ -24,7 +26,7 @@ MINIMAL = {
 def problems_of(raw, overrides=()) -> list[str]:
     with pytest.raises(ConfigError) as info:
         recipe_from_dict(raw, overrides)
-    return info.value.problems
+    return [p.text for p in info.value.problems]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
@@ -135,7 +137,7 @@ def test_resolved_recipe_round_trips(tmp_path):
     for path in RECIPES:
         recipe = load_recipe(path)
         out = tmp_path / "config.toml"
-        out.write_text(to_toml(recipe))
+        out.write_text(recipe_toml(recipe))
         assert load_recipe(out) == recipe
 
 

@@ -5,25 +5,18 @@ Slow (about 2 minutes on 2 cores): `python -m pytest -m slow`.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from typer.testing import CliRunner
 
-from cory_lora.cli import app
-
-from .conftest import ROOT
+from .helpers import ROOT, invoke, read_jsonl
 
 
 @pytest.mark.slow
 def test_demo_recipe_visibly_learns(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the recipe's paths are relative to the repository
     out = tmp_path / "demo"
-    result = CliRunner().invoke(
-        app, ["run", "recipes/tiny_cpu.toml", "--output-dir", str(out), "--quiet"]
-    )
+    result = invoke("run", "recipes/tiny_cpu.toml", "--output-dir", out, "--quiet")
     assert result.exit_code == 0, result.output
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_jsonl(out / "metrics.jsonl")
 
     def mean_reward(rows):
         return sum(m[f"{a}/task_reward"] for m in rows for a in ("llm1", "llm2")) / (2 * len(rows))

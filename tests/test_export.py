@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 
 from cory_lora import export as export_module
 from cory_lora.cli import app
-from cory_lora.config import recipe_from_dict, to_toml
+from cory_lora.config import recipe_from_dict
 from cory_lora.export import export_agent, model_card
 from cory_lora.model import load_agents
+from cory_lora.outputs import recipe_toml
 from cory_lora.tiny import char_tokenizer, tiny_llama_config
 
 from .conftest import tiny_recipe_dict
@@ -42,7 +43,7 @@ def make_run(path: Path, recipe, iterations: int = 2) -> Path:
         for head in agents.value_heads.values():
             head.weight.normal_(0, 1, generator=generator)
     path.mkdir(parents=True)
-    (path / "config.toml").write_text(to_toml(recipe))
+    (path / "config.toml").write_text(recipe_toml(recipe))
     metrics = [
         {"iteration": i + 1, "llm1/task_reward": 0.25 * i, "llm1/kl": 0.1}
         for i in range(iterations)
@@ -131,7 +132,7 @@ def test_the_card_names_a_hub_base_and_shows_eval_figures(runs, tmp_path, tiny_m
     recipe = recipe_from_dict(raw)
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.toml").write_text(to_toml(recipe))
+    (run / "config.toml").write_text(recipe_toml(recipe))
     (run / "eval.json").write_text(
         json.dumps(
             {

@@ -10,7 +10,7 @@ from cory_lora.config import GenerationConfig
 from cory_lora.generation import Stopping, cut_at_stop, generate
 from cory_lora.model import load_agents
 
-from .conftest import ROOT
+from .helpers import ROOT
 
 PROMPTS = ["1+2=", "40+33=", "hello there, ", "7", "12+9=21;12+9="]
 

@@ -16,7 +16,8 @@ from cory_lora.errors import ConfigError, RewardError, UserError
 from cory_lora.rewards import http as http_module
 from cory_lora.rewards import load_reward
 
-from .conftest import tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import write_recipe
 
 
 class RewardServer:

@@ -7,15 +7,13 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from cory_lora.cli import app
 from cory_lora.config import DataConfig, load_recipe
 from cory_lora.data import load_eval_prompts, load_prompts, render
 from cory_lora.rewards import load_reward
 from cory_lora.tiny import char_tokenizer
 
-from .conftest import ROOT
+from .helpers import ROOT, invoke, write_jsonl
 
 TINY_MODEL_OVERRIDES = [
     "model.load_in_4bit=false",
@@ -34,11 +32,6 @@ TINY_MODEL_OVERRIDES = [
     "data.max_prompt_tokens=200",
     "train.iterations=2",
 ]
-
-
-def write_jsonl(path, rows):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +81,7 @@ def tiny_classifier(tmp_path_factory):
     return path
 
 
-def run(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+run = invoke
 
 
 def sets(*overrides):
@@ -182,6 +174,7 @@ def test_imdb_recipes_run_tiny_and_plot_together(
             f"reward.model={tiny_classifier}",
             "reward.batch_size=4",
             "generation.min_new_tokens=2",
+            "generation.length_range=[2, 5]",
         )
         result = run("run", ROOT / "recipes" / recipe, *overrides, "--output-dir", out, "--quiet")
         assert result.exit_code == 0, result.output

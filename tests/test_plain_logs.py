@@ -13,7 +13,8 @@ from rich.console import Console
 from cory_lora import console as console_module
 from cory_lora.console import PLAIN_WIDTH, Display, make_console
 
-from .conftest import tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import write_recipe
 
 NAMES = ("llm1", "llm2")
 

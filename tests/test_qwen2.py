@@ -19,7 +19,8 @@ from cory_lora.model import load_agents
 from cory_lora.plan import GB, estimate
 from cory_lora.tiny import char_tokenizer
 
-from .conftest import ROOT, tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import ROOT, write_recipe
 from .test_generation import PROMPTS, hf_greedy, ours, same_tokens
 
 RECIPES = {

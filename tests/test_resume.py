@@ -5,29 +5,22 @@ would change the run is refused; a damaged checkpoint is reported."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from .conftest import tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import cli_command, run_cli_process, write_recipe
 
 ITERATIONS = 8
 
 
-def cli(*args, env_extra=None, **kwargs):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return [sys.executable, "-m", "cory_lora.cli", *map(str, args)], env
-
-
-def run(*args, kill_at=None):
-    command, env = cli(*args, env_extra={"CORY_LORA_KILL_AT": kill_at} if kill_at else None)
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+cli = cli_command
+run = run_cli_process
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +99,9 @@ def test_killed_repeatedly_then_resumed_equals_an_uninterrupted_run(recipe, refe
         if now - before:
             break
         time.sleep(0.02)
+    assert process.poll() is None, "the run ended before the kill: nothing was interrupted"
     process.send_signal(signal.SIGKILL)
-    process.wait()
+    assert process.wait() == -signal.SIGKILL
     # 5. resumed to the end
     last = run("resume", out, "--quiet")
     assert last.returncode == 0, last.stderr[-3000:]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -13,6 +12,8 @@ from cory_lora.data import PromptOrder, encode_prompts, load_prompts
 from cory_lora.errors import UserError
 from cory_lora.rewards import RewardError, load_reward
 from cory_lora.tiny import char_tokenizer
+
+from .helpers import write_jsonl
 
 
 @pytest.fixture
@@ -84,11 +85,6 @@ def test_nan_and_none_become_nan_for_the_loop_to_skip(reward_module):
     assert nan[0] == 0.0 and math.isnan(nan[1])
     assert load_reward("my_rewards:nothing")(["p"], ["a"], {}).isnan().all()
     load_reward("my_rewards:nan_at_1").probe(["p", "p"], {})  # allowed before training
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def test_local_jsonl_and_directory(tmp_path):

@@ -19,7 +19,8 @@ from cory_lora.errors import ConfigError, UserError
 from cory_lora.outputs import RunDir
 from cory_lora.trackers import STATE_FILE, Trackers, check_trackers, open_trackers, scalars
 
-from .conftest import tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import write_recipe
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
+from safetensors.torch import load_file
 
-from cory_lora.cli import app
 from cory_lora.config import load_recipe
 
-from .conftest import tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import invoke, read_jsonl, write_recipe
 
 DESIGN_KEYS = (
     "role",
@@ -26,8 +26,7 @@ DESIGN_KEYS = (
 )
 
 
-def run_cli(*args):
-    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+run_cli = invoke
 
 
 @pytest.fixture
@@ -38,10 +37,6 @@ def recipe_file(tmp_path, tiny_model_dir, arith_file):
         )
 
     return make
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_cory_run_writes_the_run_directory(tmp_path, recipe_file):
@@ -137,5 +132,18 @@ def test_nan_rewards_skip_updates_then_stop_the_run(tmp_path, recipe_file, monke
     assert [m["llm1/skipped_updates"] for m in metrics] == [1, 2, 3]
     assert metrics[-1]["llm1/policy_loss"] is None
     assert metrics[0]["llm1/task_reward"] == 1.0  # the mean of the finite rewards
-    # nothing was learned from poisoned scores: the checkpoints hold the initial (equal) agents
-    assert (out / "checkpoints" / "iter-000002").is_dir()
+    # nothing was learned from poisoned scores: the checkpoints hold the initial agents, equal to
+    # each other, their LoRA B matrices still zero (the base's own outputs)
+    for checkpoint in ("iter-000001", "iter-000002"):
+        agents = {
+            name: {
+                f"{file}/{key}": tensor
+                for file in ("adapter_model.safetensors", "value_head.safetensors")
+                for key, tensor in load_file(out / "checkpoints" / checkpoint / name / file).items()
+            }
+            for name in ("llm1", "llm2")
+        }
+        assert agents["llm1"].keys() == agents["llm2"].keys()
+        assert all(agents["llm1"][k].equal(agents["llm2"][k]) for k in agents["llm1"])
+        lora_b = [t for k, t in agents["llm1"].items() if "lora_B" in k]
+        assert lora_b and all(not t.any() for t in lora_b)

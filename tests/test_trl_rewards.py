@@ -14,7 +14,8 @@ from cory_lora.config import DataConfig, RewardConfig
 from cory_lora.errors import RewardError
 from cory_lora.rewards import load_reward
 
-from .conftest import tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import write_recipe
 
 CHAT = DataConfig(dataset="x.jsonl", chat_template=True, system_prompt="Be brief.")
 PLAIN = DataConfig(dataset="x.jsonl")

@@ -7,15 +7,9 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from cory_lora.cli import app
-
-from .conftest import tiny_recipe_dict, write_recipe
-
-
-def invoke(*args):
-    return CliRunner().invoke(app, [str(a) for a in args])
+from .conftest import tiny_recipe_dict
+from .helpers import invoke, write_recipe
 
 
 @pytest.fixture
@@ -136,13 +130,6 @@ def test_output_dir_exists(workspace):
     result = invoke("run", recipe(), "--output-dir", foreign, "--overwrite", "--quiet")
     assert result.exit_code == 1 and "does not look like a run directory" in result.output
     assert (foreign / "thesis.tex").read_text() == "years of work"
-
-
-def test_resume_from_an_empty_dir(workspace):
-    root, _ = workspace
-    (root / "empty").mkdir()
-    result = invoke("resume", root / "empty")
-    assert result.exit_code == 1 and "nothing to resume" in result.output
 
 
 def test_out_of_gpu_memory_names_the_keys_to_lower(workspace, monkeypatch):

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from cory_lora import train
 from cory_lora.cli import app
 
-from .conftest import tiny_recipe_dict, write_recipe
+from .conftest import tiny_recipe_dict
+from .helpers import write_recipe
 
 LOOP = Path(train.__file__).read_text(encoding="utf-8")
 trackers_wired = pytest.mark.skipif(

@@ -1,0 +1,80 @@
+"""Resuming a run: which recipe changes a resume allows, and restoring from the newest checkpoint.
+
+A resume continues from the newest complete checkpoint and drops the log lines written after it,
+so metrics.jsonl holds every iteration exactly once. A recipe that would make it a different run
+(other weights, data or objective) is refused; changes that cannot alter what is learned pass
+silently; anything else (PPO settings, say) is allowed and listed.
+"""
+
+from __future__ import annotations
+
+from cory_lora.checkpoint import list_checkpoints, load_checkpoint
+from cory_lora.config import Recipe, load_recipe, to_dict
+from cory_lora.errors import UserError
+from cory_lora.model import Agents
+from cory_lora.outputs import RunDir, nothing_to_resume
+from cory_lora.state import TrainerState
+
+RESUME_REFUSED = (
+    "model.name_or_path",
+    "model.load_in_4bit",
+    "model.dtype",
+    "model.trust_remote_code",
+    "lora",
+    "data",
+    "reward.function",
+    "reward.model",
+    "train.algorithm",
+    "train.seed",
+)
+# Changing these cannot change what is learned: allowed without a word.
+RESUME_FREE = (
+    "log",
+    "train.iterations",
+    "train.output_dir",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.max_bad_updates",
+    "reward.batch_size",
+    "reward.timeout_s",
+    "reward.retries",
+)
+
+
+def resume_differences(old: Recipe, new: Recipe) -> tuple[list[str], list[str]]:
+    """(refused, noted): dotted keys whose values differ, split by what a resume allows.
+    Keys in neither list above (PPO and sampling settings, say) are allowed but noted."""
+    before, after = to_dict(old), to_dict(new)
+    changed = [
+        f"{section}.{key}"
+        for section, table in after.items()
+        for key, value in table.items()
+        if before[section][key] != value
+    ]
+    matches = lambda key, prefixes: any(key == p or key.startswith(p + ".") for p in prefixes)  # noqa: E731
+    refused = [k for k in changed if matches(k, RESUME_REFUSED)]
+    noted = [k for k in changed if not matches(k, RESUME_REFUSED) and not matches(k, RESUME_FREE)]
+    return refused, noted
+
+
+def restore(run_dir: RunDir, recipe: Recipe, agents: Agents, state: TrainerState, say) -> None:
+    """Continue from the newest complete checkpoint, if the recipe still describes the same run.
+    `say` prints a line for the user."""
+    checkpoints = list_checkpoints(run_dir.path)
+    if not checkpoints:
+        raise nothing_to_resume(run_dir.path, "it has no checkpoint")
+    refused, noted = resume_differences(load_recipe(run_dir.path / "config.toml"), recipe)
+    if refused:
+        raise UserError(
+            f"cannot resume {run_dir.path} with a recipe that changed {', '.join(refused)}: "
+            "that would be a different run (start a new one, or undo those changes)"
+        )
+    if noted:
+        say(f"resuming with changed settings: {', '.join(noted)}")
+    run_dir.remove_partial_writes()
+    load_checkpoint(checkpoints[-1], agents, state)
+    for agent in state.agents.values():  # the recipe, not the checkpoint, sets the learning rate
+        for group in agent.optimizer.param_groups:
+            group["lr"] = recipe.ppo.learning_rate
+    run_dir.truncate_logs(state.iteration)
+    say(f"resuming from {checkpoints[-1].name} ({state.iteration} iterations done)")

@@ -1,0 +1,146 @@
+"""What training carries from one iteration to the next, besides the weights.
+
+Each agent's learning state (`AgentState`: optimizer, KL controller, score statistics) stays
+with its adapter name, so a role exchange moves nothing. `TrainerState` adds the iteration, the
+data order, every random generator and the skip counters, and turns itself into (and back from)
+the JSON record and tensors that a checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cory_lora import ppo
+from cory_lora.config import PPOConfig, Recipe
+from cory_lora.data import PromptOrder
+from cory_lora.elastic import AdapterEMA
+from cory_lora.model import Agents
+
+FORMAT = 1  # of the checkpoint record; bump when its meaning changes
+
+
+@dataclass
+class AgentState:
+    """An agent's training state (mutable: it is what training changes)."""
+
+    optimizer: torch.optim.Optimizer
+    kl_ctl: ppo.KLController
+    score_moments: ppo.RunningMoments | None
+    bad_streak: int = 0  # consecutive iterations whose update was skipped
+    skipped: int = 0  # skipped updates in the whole run
+    ema: AdapterEMA | None = None  # Elastic Reset's moving average of the adapter
+
+    def restart(self, cfg: PPOConfig) -> None:
+        """Optimizer moments, KL coefficient and score statistics start afresh (the paper's
+        code rebuilds its trainers at each role exchange)."""
+        self.optimizer.state.clear()
+        self.kl_ctl = _kl_controller(cfg)
+        self.score_moments = ppo.RunningMoments() if cfg.score_scaling else None
+
+
+def _kl_controller(cfg: PPOConfig) -> ppo.KLController:
+    return ppo.KLController(cfg.init_kl_coef, cfg.adaptive_kl, cfg.kl_target, cfg.kl_horizon)
+
+
+def new_agent_state(agents: Agents, name: str, recipe: Recipe) -> AgentState:
+    cfg = recipe.ppo
+    optimizer = torch.optim.AdamW(
+        agents.trainable_parameters(name), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
+    )
+    moments = ppo.RunningMoments() if cfg.score_scaling else None
+    ema = None
+    if recipe.reset.every:
+        ema = AdapterEMA(agents.lora_parameters(name), recipe.reset.ema_decay)
+    return AgentState(optimizer, _kl_controller(cfg), moments, ema=ema)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class TrainerState:
+    """The loop's state: iterations completed, data order, agents' states, random generators."""
+
+    iteration: int
+    order: PromptOrder
+    agents: dict[str, AgentState]
+    sampling_rng: torch.Generator
+    minibatch_rng: torch.Generator
+
+    @classmethod
+    def fresh(cls, recipe: Recipe, agents: Agents, n_prompts: int) -> TrainerState:
+        seed = recipe.train.seed
+        return cls(
+            iteration=0,
+            order=PromptOrder(n_prompts, seed),
+            agents={name: new_agent_state(agents, name, recipe) for name in agents.names},
+            sampling_rng=torch.Generator(agents.device).manual_seed(seed),
+            minibatch_rng=torch.Generator().manual_seed(seed + 1),
+        )
+
+    def record(self) -> dict:
+        """Everything but tensors, as JSON: iteration, data order, KL coefficients, score
+        statistics, skip counters, Python and NumPy random states."""
+        version, internal, gauss = random.getstate()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        return {
+            "format": FORMAT,
+            "iteration": self.iteration,
+            "order": self.order.state_dict(),
+            "agents": {
+                name: {
+                    "kl_ctl": agent.kl_ctl.state_dict(),
+                    "score_moments": (
+                        agent.score_moments.state_dict() if agent.score_moments else None
+                    ),
+                    "bad_streak": agent.bad_streak,
+                    "skipped": agent.skipped,
+                }
+                for name, agent in self.agents.items()
+            },
+            "python_random": [version, list(internal), gauss],
+            "numpy_random": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        }
+
+    def fits(self, record: dict) -> bool:
+        """Whether a record was written by this format for these agents."""
+        return record.get("format") == FORMAT and set(record.get("agents", ())) == set(self.agents)
+
+    def load_record(self, record: dict) -> None:
+        for name, agent in self.agents.items():
+            saved = record["agents"][name]
+            agent.kl_ctl.load_state_dict(saved["kl_ctl"])
+            if agent.score_moments is not None and saved["score_moments"] is not None:
+                agent.score_moments.load_state_dict(saved["score_moments"])
+            agent.bad_streak, agent.skipped = saved["bad_streak"], saved["skipped"]
+        version, internal, gauss = record["python_random"]
+        random.setstate((version, tuple(internal), gauss))
+        kind, keys, pos, has_gauss, cached = record["numpy_random"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        self.order.load_state_dict(record["order"])
+        self.iteration = record["iteration"]
+
+    def rng_tensors(self) -> dict[str, torch.Tensor]:
+        """The torch generators' states: sampling, minibatch order, global CPU (and CUDA)."""
+        rng = {
+            "sampling": self.sampling_rng.get_state(),
+            "minibatch": self.minibatch_rng.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        return rng
+
+    def load_rng_tensors(self, rng: dict[str, torch.Tensor]) -> None:
+        self.sampling_rng.set_state(rng["sampling"])
+        self.minibatch_rng.set_state(rng["minibatch"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(rng["cuda"]))

@@ -1,0 +1,85 @@
+"""Helpers shared by the tests: paths, files in our formats, the CLI in-process and as a real
+subprocess, and what an agent holds in memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from typer.testing import CliRunner
+
+from cory_lora.cli import app
+from cory_lora.model import is_lora_of
+from cory_lora.outputs import toml_value
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def write_recipe(path: Path, raw: dict) -> Path:
+    lines = []
+    for section, table in raw.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def invoke(*args):
+    """The CLI in this process. An exception that is not a user error propagates (a bug)."""
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def cli_command(*args, env_extra: dict | None = None) -> tuple[list[str], dict]:
+    """(argv, env) to run the CLI as a real process (for kills and signals)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return [sys.executable, "-m", "cory_lora.cli", *map(str, args)], env
+
+
+def run_cli_process(*args, kill_at: str | None = None, timeout: int = 300):
+    """The CLI as a real process; `kill_at` makes it SIGKILL itself there (cory_lora.faults)."""
+    command, env = cli_command(*args, env_extra={"CORY_LORA_KILL_AT": kill_at} if kill_at else None)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def adapter_state(agents, name: str) -> dict[str, torch.Tensor]:
+    """Agent `name`'s LoRA weights and value head, by parameter name."""
+    state = {n: p for n, p in agents.model.named_parameters() if is_lora_of(n, name)}
+    state.update({f"value_head.{k}": v for k, v in agents.value_heads[name].state_dict().items()})
+    return state
+
+
+def parameter_bytes(agents) -> int:
+    """Bytes of every distinct tensor storage the agents hold (weights, quantisation state,
+    adapters, value heads), each storage counted once however many modules share it."""
+    seen: dict[int, int] = {}
+    for t in _tensors(agents):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _tensors(agents):
+    for module in (agents.model, agents.value_heads):
+        yield from module.parameters()
+        yield from module.buffers()
+    for module in agents.model.modules():  # bitsandbytes keeps 4-bit scales beside the weight
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            yield from (t for t in vars(state).values() if isinstance(t, torch.Tensor))
+            nested = getattr(state, "state2", None)
+            if nested is not None:
+                yield from (t for t in vars(nested).values() if isinstance(t, torch.Tensor))
