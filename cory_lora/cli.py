@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 
 from cory_lora.config import SECTIONS, load_recipe
+from cory_lora.console import make_console
 from cory_lora.errors import UserError
 from cory_lora.interrupts import STOPPED_AT_ONCE, Interrupted
 from cory_lora.outputs import check_holds_a_run, recipe_toml, toml_value
@@ -29,8 +30,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="CORY: two LoRA agents on one shared (4-bit) base model learn a task together with PPO.",
 )
-console = Console()
-error_console = Console(stderr=True)
+console = make_console()
+error_console = make_console(stderr=True)
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
 SetOpt = Annotated[
@@ -48,7 +49,8 @@ def user_errors():
         yield
     except UserError as e:
         label = "[bold yellow]stopped:[/]" if e.exit_code == 130 else "[bold red]error:[/]"
-        error_console.print(f"{label} {e}", highlight=False, soft_wrap=True)
+        # escape: a message may hold brackets that are not markup (pip install 'pkg[extra]')
+        error_console.print(f"{label} {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         error_console.print(STOPPED_AT_ONCE, style="bold yellow", highlight=False, soft_wrap=True)
@@ -114,8 +116,10 @@ def resume(
 def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
     from cory_lora.console import Display
     from cory_lora.outputs import RunDir
+    from cory_lora.trackers import check_trackers
 
     run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks now, before model loading
+    check_trackers(config)  # a named tracker that is not installed: say so before any loading
     verb = "resuming" if resume else "recipe"
     console.print(f"[bold]{verb}[/] {source} -> [bold]{path}[/]", highlight=False)
     if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
@@ -123,7 +127,8 @@ def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume
     quiet_libraries()
     from cory_lora.train import run as train_run
 
-    train_run(config, run_dir, Display(console, quiet=quiet), resume=resume)
+    display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
+    train_run(config, run_dir, display, resume=resume)
 
 
 def default_output_dir(recipe_path: Path) -> Path:
@@ -314,6 +319,38 @@ def report(
 
         write_report(study_dir)
     console.print(f"written {study_dir / 'report.md'}", highlight=False)
+
+
+@app.command()
+def export(
+    run_dir: RunArg,
+    out: Annotated[
+        Path, typer.Option("-o", "--out", help="New directory to write.", show_default=False)
+    ],
+    agent: Annotated[str, typer.Option(help="The agent to export: llm1 or llm2.")] = "llm1",
+    merge: Annotated[
+        bool,
+        typer.Option(help="Write a merged model (base in its own dtype + LoRA), not an adapter."),
+    ] = False,
+    device: Annotated[str, typer.Option(help="Where to merge: cpu, cuda, cuda:N.")] = "cpu",
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option(help="Also upload the directory to this Hub repository (user/name)."),
+    ] = None,
+    private: Annotated[bool, typer.Option(help="Create the Hub repository private.")] = False,
+) -> None:
+    """Export one agent of a finished run: PEFT adapter or merged model, value head, card."""
+    with user_errors():
+        if merge:
+            quiet_libraries()
+        from cory_lora.export import export_agent
+        from cory_lora.export import push_to_hub as push
+
+        path = export_agent(run_dir, agent, out, merge=merge, device=device)
+        console.print(f"written {path}", highlight=False)
+        if push_to_hub:
+            url = push(path, push_to_hub, private=private)
+            console.print(f"uploaded to {url}", highlight=False)
 
 
 @app.command()

@@ -57,6 +57,13 @@ class ModelConfig:
     gradient_checkpointing: bool = _opt(
         False, "Recompute activations in the backward pass: less memory, ~30% slower updates."
     )
+    attn_implementation: str = _opt(
+        "sdpa",
+        "Attention kernel passed to `from_pretrained`: `sdpa` (PyTorch's fused attention), "
+        "`eager` (plain matmuls), `flash_attention_2` / `flash_attention_3` (a CUDA GPU and the "
+        "flash-attn package).",
+        choices=("sdpa", "eager", "flash_attention_2", "flash_attention_3"),
+    )
 
 
 @dataclass(frozen=True)
@@ -176,6 +183,29 @@ class RewardConfig:
         "empty: its default, lvwerra/distilbert-imdb).",
     )
     batch_size: int = _opt(64, "Batch size for rewards with a `batch_size` parameter.", gt=0)
+    completion_format: str = _opt(
+        "auto",
+        "What the reward gets as prompts and completions: `text` (strings), `conversational` "
+        '(TRL\'s form: each completion `[{"role": "assistant", "content": ...}]`, each prompt a '
+        "list of messages) or `auto`: text for the built-ins, conversational for `trl.rewards` "
+        "functions and, with data.chat_template, for every `module:function` reward.",
+        choices=("auto", "text", "conversational"),
+    )
+    url: str = _opt(
+        "",
+        "For `http_reward` (and rewards with a `url` parameter): the endpoint that is POSTed "
+        "`{prompts, completions, columns}` as JSON, reward.batch_size completions at a time, and "
+        "answers a list of numbers (or `{rewards: [...]}`).",
+    )
+    timeout_s: float = _opt(
+        60.0, "Seconds to wait for each HTTP reward request (rewards with `timeout_s`).", gt=0
+    )
+    retries: int = _opt(
+        2,
+        "Extra attempts of an HTTP reward request after a timeout, a lost connection or HTTP "
+        "408, 429, 500, 502, 503, 504 (waits 1 s, 2 s, 4 s, ... between); others fail at once.",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -297,6 +327,21 @@ class LogConfig:
     samples_per_iteration: int = _opt(4, "Episodes per iteration written to samples.jsonl.", ge=0)
     eta: float = _opt(
         0.1, "eta of the reported combined reward: task reward - eta * KL (paper, Fig. 3).", ge=0
+    )
+    plain_every_s: float = _opt(
+        0.0,
+        "Without a terminal (nohup, Docker, a pipe) or with --quiet: one full plain log line per "
+        "iteration, or at most one per this many seconds (the last iteration always); 0: every "
+        "iteration. On a terminal the live progress view is shown instead.",
+        ge=0,
+    )
+    report_to: tuple[str, ...] = _opt(
+        (),
+        'Experiment trackers fed each iteration\'s metrics and samples: any of "tensorboard", '
+        '"wandb", "trackio", "mlflow" (each an extra: pip install \'cory-lora[wandb]\').',
+    )
+    project: str = _opt(
+        "cory-lora", "Tracker project (wandb, trackio) or experiment (MLflow) of the run."
     )
 
 
@@ -554,6 +599,21 @@ def _cross_checks(r: Recipe) -> list[Problem]:
         problem(
             "reward.function",
             f"reward.function = {_show(r.reward.function)}: expected module:function",
+        )
+    trackers = ("tensorboard", "wandb", "trackio", "mlflow")
+    unknown_trackers = [t for t in r.log.report_to if t not in trackers]
+    if unknown_trackers:
+        problem(
+            "log.report_to",
+            f"log.report_to: unknown tracker(s) {', '.join(unknown_trackers)} "
+            f"(known: {', '.join(trackers)})",
+        )
+    if r.reward.function == "http_reward" and not r.reward.url:
+        problem("reward.url", 'reward.url: required by reward.function = "http_reward"')
+    if r.reward.url and not r.reward.url.startswith(("http://", "https://")):
+        problem(
+            "reward.url",
+            f"reward.url = {_show(r.reward.url)}: expected an http:// or https:// URL",
         )
     return problems
 

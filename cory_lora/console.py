@@ -1,4 +1,10 @@
-"""What the user sees: a rich progress display (or plain log lines with --quiet) and a summary."""
+"""What the user sees: a live progress view on a terminal, plain log lines anywhere else, and a
+summary.
+
+Without a terminal (nohup, Docker without -t, a pipe, a CI log) a live view cannot redraw: it
+would show nothing until the end. There, and with --quiet, each iteration (or at most one per
+`log.plain_every_s` seconds) gets one whole plain line, never cut or wrapped at 80 columns.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,18 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+
+# Width of a console that writes to a file or pipe: wide enough that no line is wrapped or cut.
+PLAIN_WIDTH = 10_000
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A console for the CLI: on a terminal, rich as usual; elsewhere lines are never wrapped
+    at the 80 columns rich assumes when it cannot ask a terminal."""
+    console = Console(stderr=stderr, soft_wrap=True)
+    if not console.is_terminal:
+        console = Console(stderr=stderr, soft_wrap=True, width=PLAIN_WIDTH)
+    return console
 
 
 def _number(value: float | None) -> str:
@@ -34,23 +52,44 @@ def _both(values) -> str:
     return _number(sum(known) / len(known) if known else None)
 
 
+def _duration(seconds: float) -> str:
+    """12s, 3m04s, 2h05m."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 def _mean(rows: list[dict], key: str) -> float | None:
     values = [m[key] for m in rows if m.get(key) is not None]
     return sum(values) / len(values) if values else None
 
 
 class Display:
-    """Progress for a run: iteration, elapsed/ETA, and each agent's last task reward and KL."""
+    """Progress for a run: iteration, elapsed/ETA, and each agent's last task reward and KL.
 
-    def __init__(self, console: Console, quiet: bool = False):
-        self.console, self.quiet = console, quiet
+    The live view runs only on a terminal and without `quiet`; otherwise `update` prints plain
+    lines, one per iteration or at most one per `plain_every_s` seconds (the last always).
+    """
+
+    def __init__(self, console: Console, quiet: bool = False, plain_every_s: float = 0.0):
+        self.console, self.quiet, self.plain_every_s = console, quiet, plain_every_s
         self._progress: Progress | None = None
         self._task = None
         self._start = time.monotonic()
+        self._last_line: float | None = None
+        self._done = 0
         self._warned: set[str] = set()
 
+    @property
+    def live(self) -> bool:
+        """Whether the live progress view is used (a terminal, not quiet)."""
+        return not self.quiet and self.console.is_terminal
+
     def message(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True)
+        self.console.print(text, highlight=False, soft_wrap=True, markup=False)
 
     def warn_once(self, key: str, text: str) -> None:
         if key not in self._warned:
@@ -58,8 +97,8 @@ class Display:
             self.message(text)
 
     def start(self, total: int, done: int = 0) -> None:
-        self._start = time.monotonic()
-        if self.quiet:
+        self._start, self._done, self._last_line = time.monotonic(), done, None
+        if not self.live:
             return
         self._progress = Progress(
             TextColumn("[bold]iteration"),
@@ -79,13 +118,24 @@ class Display:
         line = agent_line(metrics, names)
         if self._progress is not None:
             self._progress.update(self._task, completed=metrics["iteration"], agents=line)
-        else:
-            elapsed = time.monotonic() - self._start
-            self.console.print(
-                f"iteration {metrics['iteration']}/{total} ({elapsed:.0f}s) {line}",
-                highlight=False,
-                soft_wrap=True,
-            )
+            return
+        now = time.monotonic()
+        iteration = metrics["iteration"]
+        due = self._last_line is None or now - self._last_line >= self.plain_every_s
+        if not (due or iteration >= total):
+            return
+        self._last_line = now
+        elapsed = now - self._start
+        eta = ""
+        if iteration > self._done:  # this process's own pace (a resumed run started later)
+            left = (total - iteration) * elapsed / (iteration - self._done)
+            eta = f", eta {_duration(left)}"
+        self.console.print(
+            f"iteration {iteration}/{total} ({_duration(elapsed)}{eta}) {line}",
+            highlight=False,
+            soft_wrap=True,
+            markup=False,
+        )
 
     def stop(self) -> None:
         if self._progress is not None:

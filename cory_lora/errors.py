@@ -32,6 +32,10 @@ class ConfigError(UserError):
         super().__init__(f"the recipe has {len(self.problems)} problem(s):\n{lines}")
 
 
+class RewardError(UserError):
+    """The reward raised, or returned something that is not one number per completion."""
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an exception's message (library errors can run to pages), or its type."""
     text = str(error).strip()

@@ -225,6 +225,7 @@ def load_base_model(cfg: ModelConfig):
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     quantization = nf4_config(dtype) if cfg.load_in_4bit else None
+    check_attn_implementation(cfg.attn_implementation, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,
@@ -232,6 +233,7 @@ def load_base_model(cfg: ModelConfig):
             quantization_config=quantization,
             device_map={"": device},
             trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=cfg.attn_implementation,
         )
     except (OSError, ValueError) as e:
         raise _load_error(cfg, e) from None
@@ -246,6 +248,34 @@ def load_base_model(cfg: ModelConfig):
         # embeddings are not upcast the way peft's prepare_model_for_kbit_training would.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+# The package each FlashAttention kernel needs (transformers imports it when the model loads).
+FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def check_attn_implementation(name: str, device: torch.device) -> None:
+    """FlashAttention needs a CUDA GPU and its package: say so before loading any weights."""
+    import importlib.util
+
+    package = FLASH_PACKAGES.get(name)
+    if package is None:
+        return
+    if device.type != "cuda":
+        raise UserError(
+            f"model.attn_implementation = {name!r} needs a CUDA GPU (the model runs on "
+            f"{device.type}); use sdpa or eager"
+        )
+    if importlib.util.find_spec(package) is None:
+        install = (
+            "pip install flash-attn --no-build-isolation"
+            if package == "flash_attn"
+            else ("build flash-attention's hopper/ package")
+        )
+        raise UserError(
+            f"model.attn_implementation = {name!r} needs the {package} package ({install}); "
+            "or use sdpa"
+        )
 
 
 def keep_4bit_differentiable_on_cpu(model) -> None:

@@ -28,6 +28,9 @@ RUN_FILES = (
     "checkpoints",
     "curves.png",
     "eval.json",
+    "trackers.json",  # experiment trackers (cory_lora.trackers): run ids, local logs
+    "tensorboard",
+    "wandb",
 )
 
 

@@ -36,6 +36,8 @@ RESUME_FREE = (
     "train.keep_checkpoints",
     "train.max_bad_updates",
     "reward.batch_size",
+    "reward.timeout_s",
+    "reward.retries",
 )
 
 

@@ -1,7 +1,8 @@
 """Imports flow one way: a module imports only modules of lower layers (README, Layout).
 
-cli → train / evaluate → resume → checkpoint / metrics / plots → cory / update → state / plan →
-model → data / generation / rewards / outputs → config → errors / faults / ppo / console / tiny.
+cli → train / evaluate / export → resume → checkpoint / metrics / plots / trackers → cory /
+update → state / plan → model → data / generation / rewards / outputs → config → errors / faults /
+ppo / console / tiny.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ LAYERS = [
     {"model"},
     {"state", "plan"},
     {"cory", "update"},
-    {"checkpoint", "metrics", "plots"},
+    {"checkpoint", "metrics", "plots", "trackers"},
     {"resume", "interrupts"},
-    {"train", "evaluate", "study"},
+    {"train", "evaluate", "export", "study"},
     {"report"},
     {"cli"},
 ]

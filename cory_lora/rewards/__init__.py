@@ -5,6 +5,14 @@ called with keyword arguments (`prompts=`, `completions=` and one list per datas
 TRL reward functions drop in. `prompts` are the pioneer prompts, for the observer's completions
 too: the reward judges an answer to the query, and the observer's own prompt contains the
 pioneer's answer, which is not part of the question.
+
+TRL passes conversational datasets' completions as messages, and its own rewards
+(`trl.rewards.accuracy_reward`, ...) read `completion[0]["content"]`. `reward.completion_format`
+chooses: `text`, `conversational` (each completion `[{"role": "assistant", "content": text}]`,
+each prompt `[{"role": "system", ...}, {"role": "user", "content": prompt}]`), or `auto`:
+text for our built-ins (always), conversational for `trl.rewards` functions, and for any other
+`module:function` conversational when the prompts are chat-templated (data.chat_template), as
+TRL does.
 """
 
 from __future__ import annotations
@@ -19,19 +27,21 @@ from dataclasses import dataclass
 
 import torch
 
-from cory_lora.config import RewardConfig
-from cory_lora.errors import UserError
+from cory_lora.config import DataConfig, RewardConfig
+from cory_lora.errors import RewardError, UserError
 from cory_lora.rewards.builtin import exact_match
 from cory_lora.rewards.gsm8k import gsm8k_accuracy
+from cory_lora.rewards.http import http_reward
 from cory_lora.rewards.sentiment import sentiment_reward
 
 BUILTIN: dict[str, Callable] = {
     "exact_match": exact_match,
     "gsm8k_accuracy": gsm8k_accuracy,
+    "http_reward": http_reward,
     "sentiment_reward": sentiment_reward,
 }
 # Keyword parameters a reward may declare; they are filled from the recipe (see load_reward).
-RECIPE_PARAMETERS = ("model_name", "device", "batch_size")
+RECIPE_PARAMETERS = ("model_name", "device", "batch_size", "url", "timeout_s", "retries")
 
 __all__ = [
     "BUILTIN",
@@ -39,21 +49,24 @@ __all__ = [
     "RewardError",
     "exact_match",
     "gsm8k_accuracy",
+    "http_reward",
     "load_reward",
     "sentiment_reward",
 ]
 
 
-class RewardError(UserError):
-    """The reward raised, or returned something that is not one number per completion."""
+TEXT, CONVERSATIONAL = "text", "conversational"
 
 
 @dataclass(frozen=True)
 class Reward:
-    """A loaded reward function and the name the recipe gave it (for error messages)."""
+    """A loaded reward function, the name the recipe gave it (for error messages) and the form
+    it gets prompts and completions in (`text` or `conversational`)."""
 
     name: str
     fn: Callable
+    completion_format: str = TEXT
+    system_prompt: str = ""  # the system message of conversational prompts; empty: none
 
     def check_signature(self, columns: Sequence[str]) -> None:
         """Fail early, before any model is loaded, if the function cannot take our arguments."""
@@ -87,11 +100,21 @@ class Reward:
     ) -> torch.Tensor:
         """Score completions: float32 [B], NaN where the reward gave None or a non-finite value.
         Raises RewardError (naming the sample) for an exception, a wrong length or a non-number."""
+        given_prompts, given_completions = self.shaped(prompts, completions)
         try:
             with torch.no_grad():
-                values = self.fn(prompts=prompts, completions=completions, **columns)
+                values = self.fn(prompts=given_prompts, completions=given_completions, **columns)
+        except RewardError:
+            raise  # already says what went wrong (an HTTP reward's server, say)
         except Exception as e:
-            raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e}") from e
+            hint = ""
+            if self.completion_format == CONVERSATIONAL:
+                hint = (
+                    " (it was given TRL's conversational form, completions as "
+                    '[{"role": "assistant", "content": ...}]; set reward.completion_format = '
+                    '"text" for plain strings)'
+                )
+            raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e}{hint}") from e
         if isinstance(values, torch.Tensor):
             values = values.detach().cpu().flatten().tolist()
         try:
@@ -118,14 +141,27 @@ class Reward:
                 ) from None
         return torch.tensor(scores, dtype=torch.float32)
 
+    def shaped(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
+        """Prompts and completions in the form this reward takes."""
+        if self.completion_format == TEXT:
+            return prompts, completions
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return (
+            [[*system, {"role": "user", "content": p}] for p in prompts],
+            [[{"role": "assistant", "content": c}] for c in completions],
+        )
 
-def load_reward(cfg: RewardConfig | str, device: str = "cpu") -> Reward:
+
+def load_reward(
+    cfg: RewardConfig | str, device: str = "cpu", data: DataConfig | None = None
+) -> Reward:
     """A built-in name or `module:function` (the module is imported from the current directory
-    first, so a local `my_rewards.py` works).
+    first, so a local `my_rewards.py` works). `data` (the recipe's) tells `auto` whether prompts
+    are chat-templated, and gives conversational prompts their system message.
 
-    A reward that declares keyword parameters `model_name`, `device` or `batch_size` (as
-    `sentiment_reward` does) gets them from `reward.model`, the run's device and
-    `reward.batch_size`.
+    A reward that declares keyword parameters `model_name`, `device`, `batch_size`, `url`,
+    `timeout_s` or `retries` (as `sentiment_reward` and `http_reward` do) gets them from
+    `reward.model`, the run's device and the reward keys of the same names.
     """
     cfg = RewardConfig(function=cfg) if isinstance(cfg, str) else cfg
     fn = _resolve(cfg.function)
@@ -134,9 +170,33 @@ def load_reward(cfg: RewardConfig | str, device: str = "cpu") -> Reward:
     except (TypeError, ValueError):
         parameters = {}
     # An empty reward.model leaves model_name to the function's own default.
-    given = {"model_name": cfg.model, "device": str(device), "batch_size": cfg.batch_size}
+    given = {
+        "model_name": cfg.model,
+        "device": str(device),
+        "batch_size": cfg.batch_size,
+        "url": cfg.url,
+        "timeout_s": cfg.timeout_s,
+        "retries": cfg.retries,
+    }
     bound = {k: v for k, v in given.items() if k in parameters and v != ""}
-    return Reward(cfg.function, functools.partial(fn, **bound) if bound else fn)
+    return Reward(
+        cfg.function,
+        functools.partial(fn, **bound) if bound else fn,
+        completion_format(cfg.completion_format, fn, data),
+        data.system_prompt if data is not None and data.chat_template else "",
+    )
+
+
+def completion_format(choice: str, fn: Callable, data: DataConfig | None) -> str:
+    """`text` or `conversational` for reward `fn` (see the module docstring for `auto`)."""
+    if choice != "auto":
+        return choice
+    if any(fn is builtin for builtin in BUILTIN.values()):
+        return TEXT
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    if module == "trl.rewards" or module.startswith("trl.rewards."):
+        return CONVERSATIONAL  # TRL's rewards read completion[0]["content"]
+    return CONVERSATIONAL if data is not None and data.chat_template else TEXT
 
 
 def _resolve(spec: str) -> Callable:

@@ -1,0 +1,286 @@
+"""`cory-lora export`: one agent of a finished run, as a PEFT adapter or a merged model, with a
+model card; optionally uploaded to the Hugging Face Hub.
+
+* Adapter (default): `adapter_config.json` + `adapter_model.safetensors` (what
+  `PeftModel.from_pretrained(base, DIR)` loads), the agent's `value_head.safetensors`, and
+  `README.md`, a model card with front matter (`base_model`, `library_name: peft`, tags), the
+  recipe, and the run's eval.json figures when it has them.
+* Merged (`merge=True`): a plain transformers model (`AutoModelForCausalLM.from_pretrained(DIR)`)
+  in the base's own dtype (its config.json's), with the tokenizer, the value head and the card.
+  The LoRA update is added to the base weights the agent was trained on: for a 4-bit run, the
+  NF4 base *dequantised* (not the original full-precision weights, which the adapter never saw),
+  so the merged model computes what the trained agent computed.
+
+The output is built in a temporary directory beside DIR and renamed into place: DIR is either
+whole or absent. An existing DIR is never overwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+from cory_lora.config import Recipe, load_recipe
+from cory_lora.errors import UserError, first_line
+from cory_lora.model import VALUE_HEAD_FILE, check_model_path, looks_like_a_path
+from cory_lora.outputs import atomic_directory
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
+
+
+def export_agent(
+    run_dir: Path,
+    agent: str,
+    out: Path,
+    merge: bool = False,
+    device: str = "cpu",
+) -> Path:
+    """Write agent `agent` of the run in `run_dir` to the new directory `out`; return `out`."""
+    run_dir, out = Path(run_dir), Path(out)
+    recipe = _finished_run(run_dir)
+    if agent not in recipe.agents:
+        raise UserError(f"--agent {agent!r}: this run has {', '.join(recipe.agents)}")
+    adapter = run_dir / "final" / agent
+    missing = [name for name in ADAPTER_FILES if not (adapter / name).is_file()]
+    if missing:
+        raise UserError(f"{adapter} is incomplete (missing {', '.join(missing)})")
+    if out.exists():
+        raise UserError(
+            f"output directory {str(out)!r} already exists; choose another -o (export never "
+            "overwrites)"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(out) as tmp:  # built beside `out`, renamed into place when whole
+        if merge:
+            dtype = _write_merged(recipe, adapter, tmp, device)
+        else:
+            for name in ADAPTER_FILES[:2]:  # the value head is copied below, in both forms
+                shutil.copy2(adapter / name, tmp / name)
+            dtype = None
+        shutil.copy2(adapter / VALUE_HEAD_FILE, tmp / VALUE_HEAD_FILE)
+        card = model_card(recipe, run_dir, agent, merged=merge, dtype=dtype)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
+        _shareable(tmp)
+    return out
+
+
+def _shareable(directory: Path) -> None:
+    """Ordinary permissions (the umask's), not the owner-only ones of temporary files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _finished_run(run_dir: Path) -> Recipe:
+    if not (run_dir / "config.toml").is_file():
+        raise UserError(f"{str(run_dir)!r} is not a run directory (no config.toml)")
+    if not (run_dir / "final").is_dir():
+        raise UserError(
+            f"{str(run_dir)!r}: the run has not finished (no final/ adapters); finish it with "
+            f"`cory-lora resume {run_dir}`, then export"
+        )
+    return load_recipe(run_dir / "config.toml")
+
+
+def base_dtype(recipe: Recipe):
+    """The dtype the base checkpoint is stored in (its config.json), float32 when unstated."""
+    import torch
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(
+            recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"model.name_or_path = {recipe.model.name_or_path!r}: cannot read the base's config "
+            f"to merge into it: {first_line(e)}"
+        ) from None
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _write_merged(recipe: Recipe, adapter: Path, out: Path, device: str):
+    """Base (dequantised when the run was 4-bit) + the merged LoRA update, saved to `out`."""
+    from peft import PeftModel
+
+    from cory_lora.model import load_base_model, load_tokenizer
+
+    check_model_path(recipe.model)
+    dtype = base_dtype(recipe)
+    # Load the base as training did (4-bit stays 4-bit: the adapter was trained on those
+    # weights), but with the base's own dtype for everything that is not quantised.
+    cfg = dataclasses.replace(recipe.model, dtype=str(dtype).removeprefix("torch."), device=device)
+    base = load_base_model(dataclasses.replace(cfg, gradient_checkpointing=False))
+    if recipe.model.load_in_4bit:
+        base = base.dequantize(dtype=dtype)
+    model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    model = model.to(dtype)
+    model.config.use_cache = True
+    model.save_pretrained(str(out))
+    load_tokenizer(recipe.model).save_pretrained(str(out))
+    return dtype
+
+
+# --------------------------------------------------------------------------- the model card
+
+
+def _front_matter(recipe: Recipe, merged: bool) -> str:
+    base = recipe.model.name_or_path
+    tags = ["cory-lora", "cory", "ppo", "reinforcement-learning", "lora"]
+    tags += ["merged"] if merged else ["peft"]
+    lines = ["---"]
+    if not looks_like_a_path(base) and not Path(base).exists():  # a hub id: the Hub links it
+        lines.append(f"base_model: {json.dumps(base)}")
+    lines.append(f"library_name: {'transformers' if merged else 'peft'}")
+    lines.append("pipeline_tag: text-generation")
+    lines.append("tags:")
+    lines += [f"- {tag}" for tag in tags]
+    dataset = recipe.data.dataset
+    if not looks_like_a_path(dataset) and not Path(dataset).exists():
+        lines += ["datasets:", f"- {json.dumps(dataset)}"]
+    lines.append("---")
+    return "\n".join(lines)
+
+
+def _eval_table(run_dir: Path) -> str:
+    path = run_dir / "eval.json"
+    if not path.is_file():
+        return "No evaluation yet (`cory-lora eval RUN_DIR` writes eval.json).\n"
+    result = json.loads(path.read_text(encoding="utf-8"))
+    ks = result.get("k", [])
+    header = ["row", "accuracy", *[f"pass@{k}" for k in ks], "task reward", "KL"]
+    header.append(f"task − {result.get('eta')}·KL")
+    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [
+        f"`cory-lora eval` on {result.get('prompts')} {result.get('split')} prompts, "
+        f"{result.get('samples_per_prompt')} samples each (accuracy: greedy):",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    for row in result.get("rows", []):
+        passes = [fmt(row.get("pass_at", {}).get(str(k))) for k in ks]
+        cells = [row["name"], fmt(row.get("accuracy")), *passes]
+        cells += [fmt(row.get("task_reward")), fmt(row.get("kl")), fmt(row.get("combined_reward"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _training_summary(run_dir: Path, agent: str) -> str:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return ""
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    if not rows:
+        return ""
+
+    def mean(window, key):
+        values = [r[key] for r in window if r.get(key) is not None]
+        return f"{sum(values) / len(values):.3f}" if values else "–"
+
+    n = min(10, len(rows))
+    reward = f"{agent}/task_reward"
+    return (
+        f"Training: {len(rows)} iterations; {agent}'s mean task reward {mean(rows[:n], reward)} "
+        f"over the first {n}, {mean(rows[-n:], reward)} over the last {n} (sequence KL to the "
+        f"base {mean(rows[-n:], f'{agent}/kl')}).\n"
+    )
+
+
+def model_card(recipe: Recipe, run_dir: Path, agent: str, merged: bool = False, dtype=None) -> str:
+    base = recipe.model.name_or_path
+    algorithm = (
+        "CORY ([Ma et al., NeurIPS 2024](https://arxiv.org/abs/2410.06101)): two LoRA agents "
+        "on one shared base "
+        "exchange the pioneer and observer roles and are paid the collective task reward minus "
+        "their own KL to the base"
+        if recipe.train.algorithm == "cory"
+        else "single-agent PPO"
+    )
+    if merged:
+        form = (
+            f"a merged model ({str(dtype).removeprefix('torch.')}): the base "
+            + (
+                "dequantised from the 4-bit NF4 weights it was trained on "
+                if recipe.model.load_in_4bit
+                else ""
+            )
+            + "with the agent's LoRA update added"
+        )
+        use = (
+            "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            'model = AutoModelForCausalLM.from_pretrained("THIS_DIR_OR_REPO")\n'
+            'tokenizer = AutoTokenizer.from_pretrained("THIS_DIR_OR_REPO")\n```\n'
+        )
+    else:
+        form = "a PEFT LoRA adapter"
+        use = (
+            "```python\nfrom peft import PeftModel\n"
+            "from transformers import AutoModelForCausalLM\n\n"
+            f"base = AutoModelForCausalLM.from_pretrained({json.dumps(base)})\n"
+            'model = PeftModel.from_pretrained(base, "THIS_DIR_OR_REPO")\n```\n'
+        )
+    config = (run_dir / "config.toml").read_text(encoding="utf-8").strip()
+    lines = [
+        _front_matter(recipe, merged),
+        "",
+        f"# {run_dir.name} · {agent}",
+        "",
+        f"Agent `{agent}` of a cory-lora run — {algorithm} — on `{base}`, exported as {form}. "
+        f"Task reward: `{recipe.reward.function}` on `{recipe.data.dataset}`.",
+        "",
+        "`value_head.safetensors` holds the agent's value head (a linear layer on the last "
+        "hidden state), for continuing RL; generation does not need it.",
+        "",
+        "## Use",
+        "",
+        use,
+        "Prompts as in training: "
+        + ("the tokenizer's chat template, " if recipe.data.chat_template else "")
+        + f"template `{recipe.data.prompt_template!r}`.",
+        "",
+        "## Results",
+        "",
+        _eval_table(run_dir),
+        _training_summary(run_dir, agent),
+        "## Recipe",
+        "",
+        "```toml",
+        config,
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the Hub
+
+
+def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
+    """Upload an exported directory to the Hub (needs `huggingface-cli login` or HF_TOKEN).
+    Returns the repository URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            commit_message=f"cory-lora export of {Path(folder).name}",
+        )
+    except Exception as e:  # no network, no token, no permission: one message, the export stays
+        raise UserError(
+            f"--push-to-hub {repo_id!r} failed ({first_line(e)}); the export is complete in "
+            f"{folder}; log in with `huggingface-cli login` (or set HF_TOKEN) and push again with "
+            f"`huggingface-cli upload {repo_id} {folder}`"
+        ) from None
+    return str(url)
