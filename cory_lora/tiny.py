@@ -7,6 +7,8 @@ Nothing here downloads anything. The demo model in `assets/tiny-arith` is built 
 from __future__ import annotations
 
 import string
+from collections.abc import Iterator
+from itertools import islice
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, PreTrainedTokenizerFast
@@ -22,9 +24,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer (vocabulary of 100) that adds <s> in front, like Llama's."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+def char_tokenizer(vocab_size: int = 0) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer (vocabulary of 100) that adds <s> in front, like Llama's.
+
+    vocab_size > 100 widens the vocabulary with more single characters (CJK ideographs on), so a
+    model with a real-sized vocabulary (GPT-2's 50257) samples tokens that each decode to one
+    character and encode back to themselves: its answers keep their length in the next prompt.
+    """
+    symbols = SPECIAL_TOKENS + CHARACTERS
+    symbols += tuple(islice(_more_characters(), max(0, vocab_size - len(symbols))))
+    vocab = {token: i for i, token in enumerate(symbols)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -41,6 +50,14 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def _more_characters() -> Iterator[str]:
+    """Printable, non-space characters from U+4E00 up (CJK ideographs first)."""
+    for code in range(0x4E00, 0x110000):
+        c = chr(code)
+        if c.isprintable() and not c.isspace():
+            yield c
 
 
 def tiny_llama_config(

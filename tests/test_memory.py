@@ -1,0 +1,60 @@
+"""What an agent's training step leaves in memory, to the byte: its optimizer moments the first
+time, nothing after; the next agent adds one agent's worth and nothing else (bench/memory.py
+measures the peaks)."""
+
+from __future__ import annotations
+
+import torch
+
+from cory_lora.cory import play_episode, roles_at
+from cory_lora.data import load_prompts
+from cory_lora.model import load_agents
+from cory_lora.rewards import load_reward
+from cory_lora.state import TrainerState
+from cory_lora.update import UpdateStats, train_agent
+
+from .helpers import adapter_state
+
+
+def net_allocated(fn, *args) -> tuple[object, int]:
+    """fn(*args)'s result and the bytes it left allocated on the CPU: every allocation minus
+    every free that torch.profiler recorded during the call."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        result = fn(*args)
+    return result, sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.nbytes for s in optimizer.state.values() for t in s.values())
+
+
+def test_an_agents_step_leaves_only_its_optimizer_moments(tiny_recipe):
+    recipe = tiny_recipe(model={"load_in_4bit": True})
+    agents = load_agents(recipe)
+    prompts = load_prompts(recipe.data)
+    state = TrainerState.fresh(recipe, agents, len(prompts))
+    one_agent = sum(t.numel() * t.element_size() for t in adapter_state(agents, "llm2").values())
+    rng = state.minibatch_rng
+    left: dict[tuple[int, str], int] = {}
+    for iteration in range(2):
+        roles = roles_at(iteration, recipe.cory.swap_every, agents.names)
+        batch = prompts.take(list(range(recipe.ppo.batch_size)))
+        reward = load_reward(recipe.reward.function)
+        stopping = agents.stopping(recipe.generation.stop)
+        episode = play_episode(agents, roles, batch, recipe, reward, stopping, state.sampling_rng)
+        ramp = torch.linspace(-1, 1, recipe.ppo.batch_size)  # a gradient that is not zero
+        for name in agents.names:
+            generation, agent = episode.generation_of(name), state.agents[name]
+            outcome, left[iteration, name] = net_allocated(
+                train_agent, agents, name, agent, generation, ramp, None, recipe, rng
+            )
+            assert isinstance(outcome, UpdateStats)
+    # AdamW keeps two moments per trainable tensor (the agent's size in all) and a step counter.
+    moments = {name: optimizer_state_bytes(state.agents[name].optimizer) for name in agents.names}
+    counters = sum(s["step"].nbytes for s in state.agents["llm2"].optimizer.state.values())
+    assert moments["llm1"] == moments["llm2"] == 2 * one_agent + counters
+    # First step: the moments and nothing else (no graph, activation, gradient or copy kept);
+    # the second agent's first step costs the same; later steps leave nothing.
+    assert left[0, "llm1"] == left[0, "llm2"] == moments["llm1"]
+    assert left[1, "llm1"] == left[1, "llm2"] == 0
