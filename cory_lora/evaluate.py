@@ -80,7 +80,7 @@ def evaluate(
         raise UserError(f"--k {max(ks)} needs at least that many samples per prompt (--n {n})")
     prompts = load_eval_prompts(recipe.data, agents.tokenizer, recipe.train.seed, split)
     prompts = prompts.take(list(range(min(limit, len(prompts)))))
-    reward = load_reward(recipe.reward, str(agents.device))
+    reward = load_reward(recipe.reward, str(agents.device), recipe.data)
     evaluator = _Evaluator(recipe, agents, reward, prompts, ks, n)
     rows = [evaluator.alone(name) for name in agents.names]
     if len(agents.names) == 2:

@@ -52,6 +52,7 @@ from cory_lora.plots import plot_runs
 from cory_lora.resume import restore
 from cory_lora.rewards import Reward, load_reward
 from cory_lora.state import TrainerState, seed_everything
+from cory_lora.trackers import Trackers, check_trackers, open_trackers
 from cory_lora.update import Skipped, UpdateStats, train_agent
 
 
@@ -70,6 +71,7 @@ class Setup:
     stopping: Stopping
     run_dir: RunDir
     display: Display
+    trackers: Trackers
 
 
 def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False) -> list[dict]:
@@ -94,7 +96,9 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
         display.stop()
         run_dir.save_final(setup.agents)
         plot_runs([run_dir.path], run_dir.path / "curves.png")
+        setup.trackers.close()
     except BaseException as e:
+        setup.trackers.close()  # before a failed run's directory is removed
         display.stop()
         run_dir.discard_if_empty_run()
         if isinstance(e, torch.OutOfMemoryError):
@@ -111,9 +115,10 @@ def prepare(
     """Load everything and restore a resumed run. Whatever can fail on user input fails here,
     before any output is touched."""
     seed_everything(recipe.train.seed)
+    check_trackers(recipe)
     tokenizer = load_tokenizer(recipe.model)
     prompts = load_prompts(recipe.data, tokenizer, recipe.train.seed)
-    reward = load_reward(recipe.reward, str(resolve_device(recipe.model.device)))
+    reward = load_reward(recipe.reward, str(resolve_device(recipe.model.device)), recipe.data)
     reward.check_signature(list(prompts.columns))
     reward.probe(prompts.queries[:2], {k: v[:2] for k, v in prompts.columns.items()})
     display.message(f"loading {recipe.model.name_or_path} ...")
@@ -131,7 +136,8 @@ def prepare(
             "(--set train.iterations=N) to extend it"
         )
     stopping = agents.stopping(recipe.generation.stop)
-    return Setup(recipe, agents, prompts, reward, stopping, run_dir, display), state
+    trackers = open_trackers(recipe, run_dir.path, resume=resume, done=state.iteration)
+    return Setup(recipe, agents, prompts, reward, stopping, run_dir, display, trackers), state
 
 
 def train_iteration(setup: Setup, state: TrainerState) -> dict:
@@ -178,9 +184,10 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     metrics["time/generation_s"] = generated - started
     metrics["time/iteration_s"] = time.perf_counter() - started
     setup.run_dir.append("metrics.jsonl", [metrics])
-    setup.run_dir.append(
-        "samples.jsonl", samples(state.iteration, episode, recipe.log.samples_per_iteration)
-    )
+    records = samples(state.iteration, episode, recipe.log.samples_per_iteration)
+    setup.run_dir.append("samples.jsonl", records)
+    setup.trackers.log(metrics, step=state.iteration)
+    setup.trackers.log_samples(records, step=state.iteration)
     setup.display.update(metrics, agents.names, recipe.train.iterations)
     warn(setup, episode, outcomes, state.iteration)
     stop_if_failing(setup, state, outcomes)

@@ -216,3 +216,15 @@ def test_bootstrap_interval_by_hand():
     two = summarise([0.0, 1.0])  # resampled means are 0, 0.5 or 1 with probability 1/4, 1/2, 1/4
     assert two["mean"] == 0.5 and two["ci95"] == [0.0, 1.0]
     assert two["std"] == pytest.approx(np.sqrt(0.5))
+
+
+@pytest.mark.parametrize(
+    "name", ["micro", "tiny_frontier", "tiny_ablations", "gpt2_imdb", "llama2_7b_gsm8k"]
+)
+def test_shipped_studies_validate(name):
+    from .helpers import ROOT
+
+    study, runs = load_study(ROOT / "studies" / f"{name}.toml")
+    assert len(runs) == len(study.seeds) * len(study.arms) * max(
+        1, int(np.prod([len(v) for v in study.grid.values()]))
+    )

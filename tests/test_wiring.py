@@ -1,41 +1,26 @@
 """Issue 11 features that the training loop calls (trackers; the recipe's data section for the
 reward's completion format), end to end through the CLI.
 
-They run once cory_lora/train.py makes those calls (see cory_lora/trackers.py and
-cory_lora/rewards/__init__.py for the interface); until then they are skipped, saying why."""
+cory_lora/train.py makes those calls (see cory_lora/trackers.py and cory_lora/rewards/__init__.py
+for the interface)."""
 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from cory_lora import train
 from cory_lora.cli import app
 
 from .conftest import tiny_recipe_dict
 from .helpers import write_recipe
-
-LOOP = Path(train.__file__).read_text(encoding="utf-8")
-trackers_wired = pytest.mark.skipif(
-    "open_trackers(" not in LOOP, reason="train.py does not feed the trackers yet"
-)
-reward_data_wired = pytest.mark.skipif(
-    not any(
-        "recipe.data" in LOOP[m.end() : m.end() + 150] for m in re.finditer("load_reward\\(", LOOP)
-    ),
-    reason="train.py does not give load_reward the recipe's data section yet",
-)
 
 
 def invoke(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-@trackers_wired
 def test_a_run_and_its_resume_feed_tensorboard_each_iteration_once(
     tmp_path, tiny_model_dir, arith_file
 ):
@@ -61,7 +46,6 @@ def test_a_run_and_its_resume_feed_tensorboard_each_iteration_once(
     assert "samples/text_summary" in events.Tags()["tensors"]
 
 
-@reward_data_wired
 def test_with_a_chat_template_a_module_reward_gets_trl_s_messages(
     tmp_path, tiny_model_dir, arith_file, monkeypatch
 ):
