@@ -5,6 +5,8 @@ A checkpoint is the directory `checkpoints/iter-NNNNNN/` (NNNNNN = iterations co
     llm1/, llm2/            PEFT adapters + value heads (safetensors)
     optimizer-llmK.pt       each agent's AdamW state (loaded with torch.load(weights_only=True))
     rng.pt                  torch generators: sampling, minibatch order, global CPU (and CUDA)
+    logs/                   metrics.jsonl and samples.jsonl up to this iteration: a resume
+                            restores the logs from them, mending any line damaged since
     state.json              iteration, data order, KL coefficients, score statistics, skip
                             counters, Python and NumPy RNG states, and a SHA-256 of every file
 
@@ -28,10 +30,11 @@ import numpy as np
 import torch
 
 from cory_lora import faults
+from cory_lora.config import Recipe, load_recipe, resume_differences
 from cory_lora.data import PromptOrder
-from cory_lora.errors import UserError
+from cory_lora.errors import ENVIRONMENT_ERRNOS, UserError, os_error_message
 from cory_lora.model import Agents
-from cory_lora.outputs import fsync_tree
+from cory_lora.outputs import LOG_SNAPSHOT, RunDir, fsync_tree, snapshot_logs
 from cory_lora.update import AgentState
 
 CHECKPOINTS = "checkpoints"
@@ -55,6 +58,14 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter-{iteration:06d}"
 
 
+def completed(checkpoint: Path) -> int:
+    """Iterations completed at a checkpoint, from its name (-1 for a name that is not ours)."""
+    try:
+        return int(Path(checkpoint).name.removeprefix("iter-"))
+    except ValueError:
+        return -1
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints (temporary directories start with '.'), oldest first."""
     root = Path(run_dir) / CHECKPOINTS
@@ -63,12 +74,94 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter-"))
 
 
+@dataclass(frozen=True)
+class ResumeCheck:
+    """What a resume will find, checked before anything is loaded or written."""
+
+    done: int  # iterations completed at the newest checkpoint
+    complete: bool  # the run already has its iterations and final/: nothing to do, touch nothing
+    warning: str | None  # damage in the live logs that the resume mends from the checkpoint
+
+
+def check_resume(run_dir: RunDir, recipe: Recipe) -> ResumeCheck:
+    """Check a resume with `recipe` before it loads anything. Raises UserError when the recipe
+    describes another run, when there is no checkpoint, when the newest one is past
+    train.iterations (a resume cannot undo iterations, and training nothing while recording the
+    lower count would falsify the record of what ran), or when the logs are damaged beyond what
+    the checkpoint can mend."""
+    refused, _ = resume_differences(load_recipe(run_dir.path / "config.toml"), recipe)
+    if refused:
+        raise UserError(
+            f"cannot resume {run_dir.path} with a recipe that changed {', '.join(refused)}: "
+            "that would be a different run (start a new one, or undo those changes)"
+        )
+    iterations = recipe.train.iterations
+    checkpoints = list_checkpoints(run_dir.path)
+    if not checkpoints:
+        raise UserError(
+            f"nothing to resume in {run_dir.path}: it has no checkpoint (the run stopped before "
+            "its first one); start it again with --overwrite"
+        )
+    done = completed(checkpoints[-1])
+    if done > iterations:
+        raise UserError(
+            f"{run_dir.path} already has {done} iterations ({checkpoints[-1].name}); "
+            f"train.iterations = {iterations} is fewer, and a resume cannot undo iterations. "
+            "Nothing was changed: raise train.iterations to extend the run, or start a new one"
+        )
+    complete = done == iterations and (run_dir.path / "final").is_dir()
+    return ResumeCheck(done, complete, None if complete else run_dir.check_logs(done))
+
+
+def stopped_message(run_dir: Path, at_once: bool = True) -> str:
+    """What a run stopped by Ctrl-C (during loading, or by a second Ctrl-C) leaves behind."""
+    checkpoints = list_checkpoints(run_dir)
+    head = "stopped at once: " if at_once else "stopped: "
+    if checkpoints:
+        return (
+            f"{head}the last complete checkpoint, {checkpoints[-1].name}, is intact; resume with "
+            f"`cory-lora resume {run_dir}`"
+        )
+    if (Path(run_dir) / "metrics.jsonl").exists():
+        return (
+            f"{head}no checkpoint had been written yet, so there is nothing to resume; {run_dir} "
+            "holds the log of the unfinished run: start again with --overwrite"
+        )
+    return f"{head}before training began; nothing was written"
+
+
 def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: int) -> Path:
+    """Write checkpoints/iter-NNNNNN/ atomically and drop the oldest beyond `keep`. A full disk
+    (or another file-system failure) raises UserError; the older checkpoints stay intact."""
+    try:
+        return _save_checkpoint(Path(run_dir), agents, state, keep)
+    except OSError as e:
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        older = list_checkpoints(run_dir)
+        kept = (
+            f"the last complete checkpoint, {older[-1].name}, is intact"
+            if older
+            else ("no earlier checkpoint exists")
+        )
+        raise UserError(
+            os_error_message(
+                e, f"checkpoint {checkpoint_name(state.iteration)} could not be written"
+            )
+            + f"; {kept}. Once that is fixed: cory-lora resume {run_dir}"
+        ) from None
+
+
+def _save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: int) -> Path:
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(exist_ok=True)
     final = root / checkpoint_name(state.iteration)
+    earlier = [p for p in list_checkpoints(run_dir) if completed(p) < state.iteration]
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}."))
     try:
+        snapshot_logs(
+            run_dir, state.iteration, tmp / LOG_SNAPSHOT, earlier[-1] if earlier else None
+        )
         agents.save(tmp)
         for name, agent in state.agents.items():
             torch.save(agent.optimizer.state_dict(), tmp / f"optimizer-{name}.pt")
@@ -111,7 +204,14 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> None:
             raise _corrupt(path, name, "missing or its checksum does not match")
     if record.get("format") != FORMAT or set(record["agents"]) != set(state.agents):
         raise _corrupt(path, "state.json", "written by another version or for other agents")
-    agents.load(path, tuple(state.agents))
+    try:
+        agents.load(path, tuple(state.agents))
+    except (RuntimeError, ValueError, KeyError) as e:  # e.g. config.toml edited to another shape
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"checkpoint {path} does not fit the run's recipe (was config.toml edited? model "
+            f"and lora must stay as they were): {reason}"
+        ) from None
     for name, agent in state.agents.items():
         optimizer_state = torch.load(
             path / f"optimizer-{name}.pt", weights_only=True, map_location="cpu"
