@@ -116,6 +116,22 @@ class RunLock:
         self._fd = fd
         return self
 
+    def check_free(self) -> None:
+        """Raise the in-use message if another process holds the lock now; take nothing (no
+        file is created, a free lock is let go at once)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return  # no lock file: nobody holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(self._in_use_message()) from None
+        except OSError:
+            return  # a file system without locks
+        finally:
+            os.close(fd)  # closing releases the lock if we got it
+
     def _in_use_message(self) -> str:
         owner = "another process"
         for _ in range(20):  # the owner writes its name right after locking: give it a moment
@@ -188,9 +204,11 @@ class RunDir:
         self.path, self.overwrite, self.resume, self.created = Path(path), overwrite, resume, False
         self._check()
 
-    def _check(self) -> None:
+    def _check(self, locked: bool = False) -> None:
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"output directory {str(self.path)!r} is a file")
+        if not locked:
+            RunLock(self.path).check_free()  # "in use by process N" says more than "not empty"
         for parent in self.path.absolute().parents:
             if parent.exists():
                 if not parent.is_dir():
@@ -235,7 +253,7 @@ class RunDir:
         self.created = self.created or not existed
         lock.remove_empty_directory = self.created
         try:
-            self._check()
+            self._check(locked=True)
         except BaseException:
             lock.release()
             raise
