@@ -436,6 +436,11 @@ def _cross_checks(r: Recipe) -> list[str]:
     if p.score_norm and not p.score_scaling:
         problems.append("ppo.score_norm = true needs ppo.score_scaling = true")
     g = r.generation
+    if 0 < g.temperature < 1e-4:
+        problems.append(
+            f"generation.temperature = {g.temperature!r}: too small to sample with (logits "
+            "divided by it overflow); use 0 for greedy decoding"
+        )
     if g.min_new_tokens > g.max_new_tokens:
         problems.append(
             f"generation.min_new_tokens = {g.min_new_tokens} exceeds "

@@ -229,6 +229,10 @@ def _load_split(cfg: DataConfig, split: str):
                 raise UserError(f"{key}: unsupported file type (use {', '.join(LOCAL_BUILDERS)})")
             # A single file is one split, whatever its name: it is the split asked for.
             return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if not path.exists() and (
+            path.suffix in LOCAL_BUILDERS or cfg.dataset.startswith(("/", "./", "../", "~"))
+        ):
+            raise UserError(f"{key}: no such file or directory")
         if path.is_dir():
             if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
                 loaded = datasets.load_from_disk(str(path))
@@ -243,6 +247,8 @@ def _load_split(cfg: DataConfig, split: str):
         )
         raise UserError(f"{key}: has no split {split!r}{names}") from None
     except Exception as e:  # datasets raises many types: not found, offline, bad split, bad file
+        if type(e).__name__ == "DatasetGenerationError" and e.__cause__ is not None:
+            e = e.__cause__  # what was wrong with the file
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         known = re.search(r"Unknown split \"[^\"]*\"\. Should be one of \[(.*)\]", reason)
         if known:
