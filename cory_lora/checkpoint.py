@@ -97,6 +97,12 @@ def check_resume(run_dir: RunDir, recipe: Recipe) -> ResumeCheck:
         )
     iterations = recipe.train.iterations
     checkpoints = list_checkpoints(run_dir.path)
+    if not checkpoints and (run_dir.path / "final").is_dir():
+        raise UserError(
+            f"nothing to resume in {run_dir.path}: its checkpoints were deleted (final/ holds its "
+            "adapters, but a resume needs a checkpoint's optimizer and random states); to train "
+            "longer, start a new run"
+        )
     if not checkpoints:
         raise UserError(
             f"nothing to resume in {run_dir.path}: it has no checkpoint (the run stopped before "

@@ -55,9 +55,10 @@ def user_errors():
     except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
         raise
     except UserError as e:
-        label = "[bold yellow]stopped:[/]" if e.exit_code == 130 else "[bold red]error:[/]"
-        text = str(e).removeprefix("stopped: ") if e.exit_code == 130 else str(e)
-        _error(f"{label} {escape(text)}", e.exit_code)
+        if e.exit_code != 130:
+            _error(f"[bold red]error:[/] {escape(str(e))}", e.exit_code)
+        text = str(e) if str(e).startswith("stopped") else f"stopped: {e}"
+        _error(f"[bold yellow]{escape(text)}[/]", 130)
     except KeyboardInterrupt:
         _error("[bold yellow]stopped.[/]", 130)
     except OSError as e:
@@ -65,10 +66,11 @@ def user_errors():
             _internal_error(e)
         _error(f"[bold red]error:[/] {escape(os_error_message(e, 'cannot go on'))}", 1)
     except Exception as e:
-        if type(e).__name__ == "OutOfMemoryError":  # torch's, raised outside training
-            _error(
-                "[bold red]error:[/] out of GPU memory. Lower generation.batch_size (KV cache) "
-                "or ppo.micro_batch_size (scoring) with --set, or evaluate fewer prompts",
+        if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
+            _error(  # outside the training loop, which says more: loading, eval, sample
+                "[bold red]error:[/] out of memory. Lower the recipe's sizes (lora.r, "
+                "generation.batch_size, ppo.micro_batch_size; --limit or --n for eval) or use "
+                "model.load_in_4bit = true; `cory-lora plan RECIPE` estimates the GPU peak",
                 1,
             )
         _internal_error(e)

@@ -232,7 +232,8 @@ def _load_split(cfg: DataConfig, split: str):
         if not path.exists() and (
             path.suffix in LOCAL_BUILDERS or cfg.dataset.startswith(("/", "./", "../", "~"))
         ):
-            raise UserError(f"{key}: no such file or directory")
+            relative = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+            raise UserError(f"{key}: no such file or directory{relative}")
         if path.is_dir():
             if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
                 loaded = datasets.load_from_disk(str(path))

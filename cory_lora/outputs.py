@@ -345,6 +345,8 @@ class RunDir:
         for name in LOGS:
             path = self.path / name
             if not path.exists():
+                if (snapshot / name).is_file() and (snapshot / name).stat().st_size:
+                    problems.append(f"{name}: missing")
                 continue
             lines = _log_lines(path)
             cut = [n for n, (it, _) in enumerate(lines, 1) if it is None]

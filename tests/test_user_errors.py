@@ -424,6 +424,19 @@ def test_resume_restores_a_log_damaged_before_the_checkpoint(run_copy):
     assert lines[:2] == original and json.loads(lines[2])["iteration"] == 3
 
 
+def test_resume_without_checkpoints_or_with_the_log_deleted(run_copy):
+    import shutil
+
+    (run_copy / "metrics.jsonl").rename(run_copy / "metrics.bak")
+    result = invoke("resume", run_copy, "--set", "train.iterations=3", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert "metrics.jsonl: missing" in " ".join(result.output.split())
+    assert (run_copy / "metrics.bak").read_text() in (run_copy / "metrics.jsonl").read_text()
+    shutil.rmtree(run_copy / "checkpoints")
+    result = invoke("resume", run_copy, "--set", "train.iterations=4")
+    assert result.exit_code == 1 and "its checkpoints were deleted" in result.output
+
+
 def test_ctrl_c_while_loading_says_what_is_left(run_copy, workspace, monkeypatch):
     import cory_lora.train
 

@@ -1,5 +1,6 @@
-"""One owner per run directory: a second process on a directory being trained is refused (real
-processes), the first is unharmed and resumable; the lock dies with its process."""
+"""The run directory: one owner at a time (a second process on a directory being trained is
+refused, with real processes; the first is unharmed and resumable; the lock dies with its
+process), and logs that checkpoints carry so that damage is mended."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from cory_lora.config import load_recipe
 from cory_lora.errors import UserError
-from cory_lora.outputs import LOCK_FILE, RunDir, RunLock
+from cory_lora.outputs import LOCK_FILE, RunDir, RunLock, snapshot_logs
 
 from .conftest import tiny_recipe_dict, write_recipe
 
@@ -155,3 +156,51 @@ def test_the_lock_file_is_not_run_content_nor_a_partial_write(tmp_path):
     run.mkdir()
     (run / LOCK_FILE).write_text("12345\nhost\nthen\ncory-lora run\n")
     RunDir(run)
+
+
+def record(iteration: int) -> str:
+    return json.dumps({"iteration": iteration, "llm1/task_reward": iteration / 10}) + "\n"
+
+
+def test_a_checkpoint_copies_old_lines_from_the_previous_copy_not_the_damaged_log(tmp_path):
+    run = tmp_path / "run"
+    previous = run / "checkpoints" / "iter-000002"
+    (previous / "logs").mkdir(parents=True)
+    (previous / "logs" / "metrics.jsonl").write_text(record(1) + record(2))
+    # The live log was damaged after that checkpoint (iteration 1 cut), then iteration 3 ran.
+    (run / "metrics.jsonl").write_text(record(1)[:12] + "\n" + record(2) + record(3))
+    snapshot_logs(run, 3, tmp_path / "logs", previous)
+    assert (tmp_path / "logs" / "metrics.jsonl").read_text() == record(1) + record(2) + record(3)
+    assert not (tmp_path / "logs" / "samples.jsonl").exists()  # samples were off
+
+
+def test_log_damage_names_what_is_missing_and_truncation_restores_it(tmp_path):
+    run = tmp_path / "run"
+    snapshot = run / "checkpoints" / "iter-000003" / "logs"
+    snapshot.mkdir(parents=True)
+    (snapshot / "metrics.jsonl").write_text(record(1) + record(2) + record(3))
+    live = run / "metrics.jsonl"
+    live.write_text(record(1) + "garbage\n" + record(3) + record(4) + record(5)[:9])
+    (run / "config.toml").write_text("")
+    run_dir = RunDir(run, resume=True)
+    warning = run_dir.check_logs(3)
+    assert "metrics.jsonl: iteration(s) 2 missing, line(s) 2, 5 cut short or unreadable" in warning
+    run_dir.truncate_logs(3)
+    assert live.read_text() == record(1) + record(2) + record(3)
+    assert run_dir.check_logs(3) is None
+    live.unlink()
+    assert "metrics.jsonl: missing" in run_dir.check_logs(3)
+
+
+def test_a_checkpoint_without_a_copy_refuses_a_damaged_log(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter-000003").mkdir(parents=True)  # written by an older version
+    (run / "config.toml").write_text("")
+    (run / "metrics.jsonl").write_text(record(1) + record(3) + record(4))
+    run_dir = RunDir(run, resume=True)
+    with pytest.raises(UserError, match=r"iteration\(s\) 2 missing.*holds no copy"):
+        run_dir.truncate_logs(3)
+    assert (run / "metrics.jsonl").read_text() == record(1) + record(3) + record(4)
+    (run / "metrics.jsonl").write_text(record(1) + record(2) + record(3) + record(4))
+    run_dir.truncate_logs(3)  # an intact log is kept up to the checkpoint
+    assert (run / "metrics.jsonl").read_text() == record(1) + record(2) + record(3)
