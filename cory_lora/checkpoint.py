@@ -121,19 +121,24 @@ def check_resume(run_dir: RunDir, recipe: Recipe) -> ResumeCheck:
 
 def stopped_message(run_dir: Path, at_once: bool = True) -> str:
     """What a run stopped by Ctrl-C (during loading, or by a second Ctrl-C) leaves behind."""
+    return ("stopped at once: " if at_once else "stopped: ") + what_is_left(run_dir)
+
+
+def what_is_left(run_dir: Path) -> str:
+    """For a run that stopped early: its last complete checkpoint and how to resume, or that
+    there is nothing to resume."""
     checkpoints = list_checkpoints(run_dir)
-    head = "stopped at once: " if at_once else "stopped: "
     if checkpoints:
         return (
-            f"{head}the last complete checkpoint, {checkpoints[-1].name}, is intact; resume with "
+            f"the last complete checkpoint, {checkpoints[-1].name}, is intact; resume with "
             f"`cory-lora resume {run_dir}`"
         )
     if (Path(run_dir) / "metrics.jsonl").exists():
         return (
-            f"{head}no checkpoint had been written yet, so there is nothing to resume; {run_dir} "
+            f"no checkpoint had been written yet, so there is nothing to resume; {run_dir} "
             "holds the log of the unfinished run: start again with --overwrite"
         )
-    return f"{head}before training began; nothing was written"
+    return "before training began; nothing was written"
 
 
 def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: int) -> Path:

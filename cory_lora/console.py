@@ -50,7 +50,7 @@ class Display:
         self._warned: set[str] = set()
 
     def message(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True)
+        self.console.print(text, highlight=False, soft_wrap=True, markup=False)  # paths, names
 
     def warn_once(self, key: str, text: str) -> None:
         if key not in self._warned:
@@ -126,4 +126,4 @@ class Display:
             cells = [_both(v) for v in zip(*both, strict=True)]
             table.add_row("both", *cells, "")
         self.console.print(table)
-        self.console.print(f"outputs in {run_dir}", highlight=False)
+        self.console.print(f"outputs in {run_dir}", highlight=False, markup=False)
