@@ -193,12 +193,12 @@ def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume
             from cory_lora.checkpoint import stopped_message
 
             raise Stopped(stopped_message(path, at_once=False)) from None
-        except OSError as e:  # a full disk or a permission, writing the final adapters, say
+        except OSError as e:  # a full disk or a permission, writing the logs, say
             if e.errno not in ENVIRONMENT_ERRNOS:
                 raise
             from cory_lora.checkpoint import what_is_left
 
-            message = f"{os_error_message(e, 'cannot go on')}; {what_is_left(path)}"
+            message = f"{os_error_message(e, 'the run stopped')}; {what_is_left(path)}"
             raise UserError(message) from None
 
 

@@ -274,17 +274,10 @@ class RunDir:
         """Append JSON lines; each line is written whole and flushed to disk."""
         if not records:
             return
-        try:
-            with open(self.path / filename, "a", encoding="utf-8") as f:
-                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            raise UserError(
-                os_error_message(e, f"cannot write {self.path / filename}")
-                + "; the last complete checkpoint is intact: once that is fixed, cory-lora "
-                f"resume {self.path}"
-            ) from None
+        with open(self.path / filename, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
 
     def remove_partial_writes(self) -> None:
         """Delete what a killed process left half-written: every temporary (dot-named) file or

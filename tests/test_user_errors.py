@@ -484,6 +484,28 @@ def test_full_disk_during_a_checkpoint_keeps_the_older_ones(workspace, monkeypat
     assert [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").open()] == [1, 2, 3]
 
 
+def test_full_disk_while_logging_says_which_checkpoint_is_left(workspace, monkeypatch):
+    import errno
+
+    from cory_lora.outputs import RunDir
+
+    real_append = RunDir.append
+
+    def append(self, filename, records):
+        if records and records[0]["iteration"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path / filename))
+        return real_append(self, filename, records)
+
+    monkeypatch.setattr(RunDir, "append", append)
+    root, recipe = workspace
+    out = root / "run"
+    result = invoke("run", recipe(train={"checkpoint_every": 1}), "--output-dir", out, "--quiet")
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert "the run stopped: No space left on device" in text
+    assert f"iter-000001, is intact; resume with `cory-lora resume {out}`" in text
+
+
 def test_reward_calling_sys_exit_in_training(workspace):
     root, recipe = workspace
     (root / "exits_later.py").write_text(
