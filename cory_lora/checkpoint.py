@@ -6,6 +6,8 @@ A checkpoint is the directory `checkpoints/iter-NNNNNN/` (NNNNNN = iterations co
     optimizer-llmK.pt       each agent's AdamW state (loaded with torch.load(weights_only=True))
     ema-llmK.safetensors    with Elastic Reset: each agent's adapter EMA
     rng.pt                  torch generators: sampling, minibatch order, global CPU (and CUDA)
+    logs/                   metrics.jsonl and samples.jsonl up to this iteration: a resume
+                            restores the logs from them, mending any line damaged since
     state.json              `TrainerState.record()` (iteration, data order, KL coefficients,
                             score statistics, skip counters, Python and NumPy RNG states) and a
                             SHA-256 of every file
@@ -27,16 +29,24 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cory_lora import faults
-from cory_lora.errors import UserError
+from cory_lora.errors import ENVIRONMENT_ERRNOS, UserError, os_error_message
 from cory_lora.model import Agents
-from cory_lora.outputs import atomic_directory
+from cory_lora.outputs import (
+    CHECKPOINTS,
+    LOG_SNAPSHOT,
+    atomic_directory,
+    checkpoint_name,
+    snapshot_logs,
+)
 from cory_lora.state import TrainerState
 
-CHECKPOINTS = "checkpoints"
 
-
-def checkpoint_name(iteration: int) -> str:
-    return f"iter-{iteration:06d}"
+def completed(checkpoint: Path) -> int:
+    """Iterations completed at a checkpoint, from its name (-1 for a name that is not ours)."""
+    try:
+        return int(Path(checkpoint).name.removeprefix("iter-"))
+    except ValueError:
+        return -1
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -47,12 +57,60 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("iter-"))
 
 
+def stopped_message(run_dir: Path, at_once: bool = True) -> str:
+    """What a run stopped by Ctrl-C (during loading, or by a second Ctrl-C) leaves behind."""
+    return ("stopped at once: " if at_once else "stopped: ") + what_is_left(run_dir)
+
+
+def what_is_left(run_dir: Path) -> str:
+    """For a run that stopped early: its last complete checkpoint and how to resume, or that
+    there is nothing to resume."""
+    checkpoints = list_checkpoints(run_dir)
+    if checkpoints:
+        return (
+            f"the last complete checkpoint, {checkpoints[-1].name}, is intact; resume with "
+            f"`cory-lora resume {run_dir}`"
+        )
+    if (Path(run_dir) / "metrics.jsonl").exists():
+        return (
+            f"no checkpoint had been written yet, so there is nothing to resume; {run_dir} "
+            "holds the log of the unfinished run: start again with --overwrite"
+        )
+    return "before training began; nothing was written"
+
+
 def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: int) -> Path:
+    """Write checkpoints/iter-NNNNNN/ atomically and drop the oldest beyond `keep`. A full disk
+    (or another file-system failure) raises UserError; the older checkpoints stay intact."""
+    try:
+        return _save_checkpoint(Path(run_dir), agents, state, keep)
+    except OSError as e:
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        older = list_checkpoints(run_dir)
+        kept = (
+            f"the last complete checkpoint, {older[-1].name}, is intact"
+            if older
+            else ("no earlier checkpoint exists")
+        )
+        raise UserError(
+            os_error_message(
+                e, f"checkpoint {checkpoint_name(state.iteration)} could not be written"
+            )
+            + f"; {kept}. Once that is fixed: cory-lora resume {run_dir}"
+        ) from None
+
+
+def _save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: int) -> Path:
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(exist_ok=True)
     final = root / checkpoint_name(state.iteration)
+    earlier = [p for p in list_checkpoints(run_dir) if completed(p) < state.iteration]
     # The same iteration saved again (e.g. after a resume) is replaced.
     with atomic_directory(final) as tmp:
+        snapshot_logs(
+            run_dir, state.iteration, tmp / LOG_SNAPSHOT, earlier[-1] if earlier else None
+        )
         agents.save(tmp)
         for name, agent in state.agents.items():
             torch.save(agent.optimizer.state_dict(), tmp / f"optimizer-{name}.pt")
@@ -82,7 +140,14 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> None:
             raise _corrupt(path, name, "missing or its checksum does not match")
     if not state.fits(record):
         raise _corrupt(path, "state.json", "written by another version or for other agents")
-    agents.load(path, tuple(state.agents))
+    try:
+        agents.load(path, tuple(state.agents))
+    except (RuntimeError, ValueError, KeyError) as e:  # e.g. config.toml edited to another shape
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"checkpoint {path} does not fit the run's recipe (was config.toml edited? model "
+            f"and lora must stay as they were): {reason}"
+        ) from None
     for name, agent in state.agents.items():
         optimizer_state = torch.load(
             path / f"optimizer-{name}.pt", weights_only=True, map_location="cpu"

@@ -1,27 +1,33 @@
 """`cory-lora`: a thin shell. Parse, load and validate the recipe, print it, call the library.
 
 User errors (`UserError`) print one message and exit non-zero without a traceback (recipe
-problems exit 2); anything else is a bug and keeps its traceback.
+problems exit 2), as do failures of the environment (a full disk, a permission: `OSError`).
+Anything else is a bug: one message that says so, with the traceback saved to a file (printed
+instead when CORY_LORA_TRACEBACK=1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
+import tempfile
+import traceback
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from rich.markup import escape
 
 from cory_lora.config import SECTIONS, load_recipe
 from cory_lora.console import make_console
-from cory_lora.errors import UserError
-from cory_lora.interrupts import STOPPED_AT_ONCE, Interrupted
+from cory_lora.errors import ENVIRONMENT_ERRNOS, Stopped, UserError, os_error_message
+from cory_lora.interrupts import Interrupted
 from cory_lora.outputs import check_holds_a_run, recipe_toml, toml_value
 
 app = typer.Typer(
@@ -44,17 +50,56 @@ SetOpt = Annotated[
 
 @contextmanager
 def user_errors():
-    """Turn a UserError into one red message and its exit code; Ctrl-C into exit code 130."""
+    """Turn a UserError into one red message and its exit code; Ctrl-C into exit code 130; a
+    failure of the environment (full disk, permissions) into one message; anything else into
+    one message that calls it a bug, its traceback saved to a file."""
     try:
         yield
+    except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        raise
     except UserError as e:
-        label = "[bold yellow]stopped:[/]" if e.exit_code == 130 else "[bold red]error:[/]"
-        # escape: a message may hold brackets that are not markup (pip install 'pkg[extra]')
-        error_console.print(f"{label} {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(e.exit_code) from None
+        if e.exit_code != 130:
+            _error(f"[bold red]error:[/] {escape(str(e))}", e.exit_code)
+        text = str(e) if str(e).startswith("stopped") else f"stopped: {e}"
+        _error(f"[bold yellow]{escape(text)}[/]", 130)
     except KeyboardInterrupt:
-        error_console.print(STOPPED_AT_ONCE, style="bold yellow", highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+        _error("[bold yellow]stopped.[/]", 130)
+    except OSError as e:
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            _internal_error(e)
+        _error(f"[bold red]error:[/] {escape(os_error_message(e, 'cannot go on'))}", 1)
+    except Exception as e:
+        if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
+            _error(  # outside the training loop, which says more: loading, eval, sample
+                "[bold red]error:[/] out of memory. Lower the recipe's sizes (lora.r, "
+                "generation.batch_size, ppo.micro_batch_size; --limit or --n for eval) or use "
+                "model.load_in_4bit = true; `cory-lora plan RECIPE` estimates the GPU peak",
+                1,
+            )
+        _internal_error(e)
+
+
+def _error(markup: str, code: int):
+    error_console.print(markup, highlight=False, soft_wrap=True)
+    raise typer.Exit(code) from None
+
+
+def _internal_error(e: BaseException):
+    """A bug (or an input not foreseen): say so in one message, keep the traceback in a file."""
+    if os.environ.get("CORY_LORA_TRACEBACK"):
+        raise e
+    text = "".join(traceback.format_exception(e))
+    fd, path = tempfile.mkstemp(prefix="cory-lora-error-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(" ".join(["cory-lora", *sys.argv[1:]]) + "\n\n" + text)
+    where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
+    _error(
+        f"[bold red]internal error:[/] {escape(type(e).__name__)}: {escape(str(e)[:500])}{at}. "
+        f"This is a bug in cory-lora, or an input it does not handle yet; the traceback is in "
+        f"{escape(path)} (CORY_LORA_TRACEBACK=1 prints it). Please report it.",
+        1,
+    )
 
 
 def quiet_libraries() -> None:
@@ -120,15 +165,46 @@ def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume
 
     run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks now, before model loading
     check_trackers(config)  # a named tracker that is not installed: say so before any loading
-    verb = "resuming" if resume else "recipe"
-    console.print(f"[bold]{verb}[/] {source} -> [bold]{path}[/]", highlight=False)
-    if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
-        console.print(recipe_toml(config), highlight=False, markup=False)
-    quiet_libraries()
-    from cory_lora.train import run as train_run
+    with run_dir.lock():  # this process is the directory's only writer until the run ends
+        warning = None
+        if resume:
+            from cory_lora.resume import check_resume
 
-    display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
-    train_run(config, run_dir, display, resume=resume)
+            check = check_resume(run_dir, config)
+            if check.complete:
+                console.print(
+                    f"{escape(str(path))} already has its {check.done} iterations: nothing to do, "
+                    "nothing changed. Raise train.iterations (--set train.iterations=N) to extend "
+                    "it",
+                    highlight=False,
+                )
+                return
+            warning = check.warning
+        verb = "resuming" if resume else "recipe"
+        console.print(
+            f"[bold]{verb}[/] {escape(source)} -> [bold]{escape(str(path))}[/]", highlight=False
+        )
+        if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
+            console.print(recipe_toml(config), highlight=False, markup=False)
+        if warning:
+            console.print(warning, highlight=False, markup=False)
+        try:
+            quiet_libraries()
+            from cory_lora.train import run as train_run
+
+            display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
+            train_run(config, run_dir, display, resume=resume)
+        except KeyboardInterrupt:  # before the loop's own handler (model loading), or after it
+            from cory_lora.checkpoint import stopped_message
+
+            raise Stopped(stopped_message(path, at_once=False)) from None
+        except OSError as e:  # a full disk or a permission, writing the logs, say
+            if e.errno not in ENVIRONMENT_ERRNOS:
+                raise
+            from cory_lora.checkpoint import what_is_left
+
+            message = f"{os_error_message(e, 'the run stopped')}; {what_is_left(path)}"
+            raise UserError(message) from None
 
 
 def default_output_dir(recipe_path: Path) -> Path:
@@ -143,7 +219,7 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     with user_errors():
         config = load_recipe(recipe, set_ or [])
     console.print(recipe_toml(config), highlight=False, markup=False)
-    console.print(f"[green]ok[/]: {recipe} is a valid recipe", highlight=False)
+    console.print(f"[green]ok[/]: {escape(str(recipe))} is a valid recipe", highlight=False)
 
 
 RunArg = Annotated[Path, typer.Argument(help="Run directory.", show_default=False)]
@@ -152,7 +228,10 @@ RunArg = Annotated[Path, typer.Argument(help="Run directory.", show_default=Fals
 @app.command("eval")
 def eval_(
     run_dir: RunArg,
-    split: Annotated[str | None, typer.Option(help="Split (default: data.eval_split).")] = None,
+    split: Annotated[
+        str | None,
+        typer.Option(help="Split (default: data.eval_split, else the data.eval_holdout rows)."),
+    ] = None,
     limit: Annotated[int, typer.Option(help="Held-out prompts to use at most.")] = 200,
     k: Annotated[str, typer.Option(help="pass@k values, comma-separated.")] = "1",
     n: Annotated[int, typer.Option(help="Samples per prompt (default: the largest k).")] = 0,
@@ -173,9 +252,12 @@ def eval_(
         from cory_lora.evaluate import evaluate
 
         result = evaluate(run_dir, split, limit, ks, n)
+    held_out = "" if result["held_out"] else " (training prompts, NOT held out)"
     table = Table(
-        title=f"{run_dir}: {result['prompts']} {result['split']} prompts, "
-        f"{result['samples_per_prompt']} samples each"
+        title=escape(
+            f"{run_dir}: {result['prompts']} {result['split']} prompts{held_out}, "
+            f"{result['samples_per_prompt']} samples each"
+        )
     )
     columns = [
         "row",
@@ -191,7 +273,7 @@ def eval_(
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         passes = [fmt(row["pass_at"].get(str(v))) for v in result["k"]]
         table.add_row(
-            row["name"],
+            escape(row["name"]),
             fmt(row["accuracy"]),
             *passes,
             fmt(row["task_reward"]),
@@ -199,7 +281,7 @@ def eval_(
             fmt(row["combined_reward"]),
         )
     console.print(table)
-    console.print(f"written {Path(run_dir) / 'eval.json'}", highlight=False)
+    console.print(f"written {result['path']}", highlight=False, markup=False)
 
 
 @app.command()
@@ -215,12 +297,16 @@ def sample(
 ) -> None:
     """Print an agent's answers to a prompt."""
     with user_errors():
+        if n < 1:
+            raise UserError(f"--n {n}: draw at least one sample")
+        if not 0 <= seed < 2**63:
+            raise UserError(f"--seed {seed}: expected an integer from 0 to 2^63 - 1")
         quiet_libraries()
         from cory_lora.evaluate import sample_answers
 
         texts = sample_answers(run_dir, prompt, agent, n, greedy, seed)
     for i, text in enumerate(texts):
-        console.print(f"[bold]{agent} #{i + 1}[/]", highlight=False)
+        console.print(f"[bold]{escape(agent)} #{i + 1}[/]", highlight=False)
         console.print(text, highlight=False, markup=False)
 
 
@@ -237,7 +323,7 @@ def plot(
         from cory_lora.plots import plot_runs
 
         path = plot_runs(run_dirs, out, max(1, smooth))
-    console.print(f"written {path}", highlight=False)
+    console.print(f"written {path}", highlight=False, markup=False)
 
 
 @app.command()
@@ -251,15 +337,17 @@ def plan(
 
     with user_errors():
         config = load_recipe(recipe, set_ or [])
+        if not (math.isfinite(gpu_gb) and gpu_gb > 0):
+            raise UserError(f"--gpu-gb {gpu_gb:g}: expected a positive number of GiB, such as 24")
         quiet_libraries()
         from cory_lora.plan import GB, estimate
 
         memory = estimate(config)
-    table = Table(title=f"{recipe}: estimated peak GPU memory")
+    table = Table(title=escape(f"{recipe}: estimated peak GPU memory"))
     table.add_column("component")
     table.add_column("GiB", justify="right")
     for name, size in memory.parts.items():
-        table.add_row(name, f"{size / GB:.2f}")
+        table.add_row(escape(name), f"{size / GB:.2f}")
     table.add_row("[bold]peak[/]", f"[bold]{memory.peak / GB:.2f}[/]")
     console.print(table)
     verdict = "fits" if memory.fits(gpu_gb) else "does NOT fit"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import string
 import tomllib
 import typing
@@ -306,7 +307,9 @@ class TrainConfig:
         "cory", "`cory` (two agents) or `ppo` (llm1 alone: the baseline).", choices=("cory", "ppo")
     )
     iterations: int = _opt(100, "Training iterations (one batch of queries each).", gt=0)
-    seed: int = _opt(0, "Seed of data order, sampling and initialisation.", ge=0)
+    seed: int = _opt(
+        0, "Seed of data order, sampling and initialisation (0 to 2^32 - 1).", ge=0, le=2**32 - 1
+    )
     output_dir: str = _opt(
         "", "Run directory; empty: runs/<recipe name>-<date-time>. --output-dir overrides it."
     )
@@ -373,12 +376,20 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
 def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe; raise one ConfigError listing every problem."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            [Problem((), f"recipe {str(path)!r} is a directory; name a recipe .toml file")]
+        )
     if not path.is_file():
         raise ConfigError([Problem((), f"recipe {str(path)!r}: no such file")])
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError([Problem((), f"recipe {str(path)!r} is not valid TOML: {e}")]) from None
+    except OSError as e:
+        raise ConfigError(
+            [Problem((), f"recipe {str(path)!r} cannot be read: {e.strerror}")]
+        ) from None
     return recipe_from_dict(raw, overrides)
 
 
@@ -426,8 +437,10 @@ def _apply_override(raw: dict, text: str, problems: list[Problem]) -> None:
         value = value_text  # a bare word such as gpt2 or openai/gsm8k
     cls = SECTIONS.get(section)
     wants_str = cls is not None and _field_types(cls).get(key) is str
-    if wants_str and not isinstance(value, str):
-        value = value_text.strip()  # e.g. --set data.split=2024 means the string "2024"
+    if wants_str and not isinstance(value, (str, list, dict)):
+        # e.g. --set data.split=2024 means the string "2024"; a list or table stays one, and
+        # is refused as in a recipe file ("expected a string")
+        value = value_text.strip()
     table = raw.setdefault(section, {})
     if isinstance(table, dict):
         table[key] = value
@@ -543,6 +556,12 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             "ppo.score_norm = true needs ppo.score_scaling = true",
         )
     g = r.generation
+    if 0 < g.temperature < 1e-4:
+        problem(
+            "generation.temperature",
+            f"generation.temperature = {g.temperature!r}: too small to sample with (logits "
+            "divided by it overflow); use 0 for greedy decoding",
+        )
     if g.min_new_tokens > g.max_new_tokens:
         problem(
             "generation.min_new_tokens generation.max_new_tokens",
@@ -587,6 +606,8 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             problem(key, f"{key} = {_show(template)}: malformed {{}} placeholders")
         elif any(not n.isidentifier() for n in names):
             problem(key, f"{key} = {_show(template)}: placeholders must be plain names")
+        elif format_problem := _format_problem(template):
+            problem(key, f"{key} = {_show(template)}: {format_problem}")
         elif allowed and not names <= allowed:
             unknown = ", ".join(sorted(names - allowed))
             problem(key, f"{key}: unknown placeholder(s) {unknown} (known: query, pioneer)")
@@ -595,11 +616,6 @@ def _cross_checks(r: Recipe) -> list[Problem]:
                 f"{key} train.algorithm",
                 f"{key} must contain {{pioneer}}: the observer reads that answer",
             )
-    if ":" in r.reward.function and r.reward.function.count(":") != 1:
-        problem(
-            "reward.function",
-            f"reward.function = {_show(r.reward.function)}: expected module:function",
-        )
     trackers = ("tensorboard", "wandb", "trackio", "mlflow")
     unknown_trackers = [t for t in r.log.report_to if t not in trackers]
     if unknown_trackers:
@@ -615,7 +631,47 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             "reward.url",
             f"reward.url = {_show(r.reward.url)}: expected an http:// or https:// URL",
         )
+    module, colon, function = r.reward.function.partition(":")
+    if colon and (
+        ":" in function
+        or not all(part.isidentifier() for part in module.split("."))
+        or not function.isidentifier()
+    ):
+        problem(
+            "reward.function",
+            f"reward.function = {_show(r.reward.function)}: expected module:function, "
+            "e.g. my_rewards:score",
+        )
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", r.model.device):
+        problem(
+            "model.device",
+            f"model.device = {_show(r.model.device)}: expected auto, cpu, cuda or cuda:N",
+        )
+    if d.eval_split and d.eval_split == d.split:
+        problem(
+            "data.eval_split data.split",
+            f"data.eval_split = {_show(d.eval_split)} is the training split (data.split): "
+            "held-out prompts must be other prompts",
+        )
     return problems
+
+
+def _format_problem(template: str) -> str | None:
+    """Conversions and format specs a str.format template would fail on. Specs are checked
+    against text for {query} and {pioneer}; other columns may be numbers (checked on the data)."""
+    for _, name, spec, conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if conversion not in (None, "r", "s", "a"):
+            return f"{{{name}!{conversion}}}: unknown conversion (!r, !s and !a exist)"
+        if "{" in spec:
+            return f"{{{name}:{spec}}}: placeholders inside a format spec are not supported"
+        if name in ("query", "pioneer"):
+            try:
+                format("", spec)
+            except ValueError as e:
+                return f"{{{name}:{spec}}}: not a format for text ({e})"
+    return None
 
 
 def _show(value) -> str:

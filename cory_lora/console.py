@@ -89,7 +89,7 @@ class Display:
         return not self.quiet and self.console.is_terminal
 
     def message(self, text: str) -> None:
-        self.console.print(text, highlight=False, soft_wrap=True, markup=False)
+        self.console.print(text, highlight=False, soft_wrap=True, markup=False)  # paths, names
 
     def warn_once(self, key: str, text: str) -> None:
         if key not in self._warned:
@@ -176,7 +176,7 @@ class Display:
             cells = [_both(v) for v in zip(*both, strict=True)]
             table.add_row("both", *cells, "")
         self.console.print(table)
-        self.console.print(f"outputs in {run_dir}", highlight=False)
+        self.console.print(f"outputs in {run_dir}", highlight=False, markup=False)
 
 
 class StudyDisplay:

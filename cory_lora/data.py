@@ -3,14 +3,16 @@ seeded, resumable order over them."""
 
 from __future__ import annotations
 
+import numbers
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from cory_lora.config import DataConfig, template_fields
-from cory_lora.errors import UserError, first_line
+from cory_lora.errors import UserError
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -53,13 +55,62 @@ def load_prompts(
     return prompts
 
 
+HOLDOUT = "holdout"  # the name `cory-lora eval` gives the data.eval_holdout rows
+
+
+def eval_split(cfg: DataConfig, split: str | None = None) -> tuple[str, bool]:
+    """(name, held out?) of the prompts `cory-lora eval` scores: `split`, else data.eval_split,
+    else the data.eval_holdout rows ("holdout"), else the dataset's `test` split.
+
+    Held out means held out: a single data file holds only the training prompts, so asking it
+    for another split, or for held-out prompts without data.eval_holdout, is refused. The
+    training split itself is scored only when asked for by name (and labelled as such)."""
+    if split is None and cfg.eval_split:
+        split = cfg.eval_split
+    if split is None and cfg.eval_holdout:
+        return HOLDOUT, True
+    if split == HOLDOUT and cfg.eval_holdout:
+        return HOLDOUT, True
+    if split == cfg.split:
+        return split, False
+    path = Path(cfg.dataset)
+    if path.is_file():
+        beside = sorted(p.name for p in path.parent.glob(f"{split or 'test'}.*") if p != path)
+        hint = (
+            f" ({beside[0]} is beside it: data.dataset = {str(path.parent)!r} reads each file "
+            "as the split of its name)"
+            if beside
+            else ""
+        )
+        if split is None:
+            raise UserError(
+                f"this run has no held-out prompts: data.dataset = {cfg.dataset!r} is one file, "
+                "its rows are the training prompts, and neither data.eval_split nor "
+                f"data.eval_holdout is set{hint}. Evaluate a run whose recipe sets "
+                "data.eval_holdout = N (rows kept out of training), or pass --split "
+                f"{cfg.split} to score the training prompts knowingly"
+            )
+        raise UserError(
+            f"--split {split!r}: data.dataset = {cfg.dataset!r} is one file, which holds only "
+            f"the training split {cfg.split!r}"
+            + (
+                f" (and the {cfg.eval_holdout} held-out rows: --split {HOLDOUT})"
+                if cfg.eval_holdout
+                else ""
+            )
+            + hint
+        )
+    return split or "test", True
+
+
 def load_eval_prompts(cfg: DataConfig, tokenizer=None, seed: int = 0, split: str | None = None):
-    """Held-out prompts: `split`, else data.eval_split, else the eval_holdout rows, else `test`."""
-    if split or cfg.eval_split or not cfg.eval_holdout:
-        name = split or cfg.eval_split or "test"
-        return _prepare(cfg, _load_split(cfg, name), name, tokenizer, seed)
-    prompts = _prepare(cfg, _load_split(cfg, cfg.split), cfg.split, tokenizer, seed)
-    return prompts.take(_holdout(len(prompts), cfg.eval_holdout, seed))
+    """The prompts `eval_split(cfg, split)` names (the eval_holdout rows are the same seeded
+    choice that load_prompts keeps out of training)."""
+    name, _ = eval_split(cfg, split)
+    if name == HOLDOUT and cfg.eval_holdout:
+        prompts = _prepare(cfg, _load_split(cfg, cfg.split), cfg.split, tokenizer, seed)
+        return prompts.take(_holdout(len(prompts), cfg.eval_holdout, seed))
+    return _prepare(cfg, _load_split(cfg, name), name, tokenizer, seed)
 
 
 def _holdout(n: int, k: int, seed: int) -> list[int]:
@@ -73,6 +124,15 @@ def _prepare(cfg: DataConfig, dataset, split: str, tokenizer, seed: int) -> Prom
             raise UserError(
                 f"data.rename_columns names {', '.join(missing)}, not a column of {cfg.dataset!r} "
                 f"(columns: {', '.join(dataset.column_names)})"
+            )
+        kept = [c for c in dataset.column_names if c not in cfg.rename_columns]
+        targets = list(cfg.rename_columns.values())
+        clashes = sorted({t for t in targets if t in kept or targets.count(t) > 1})
+        if clashes:
+            raise UserError(
+                f"data.rename_columns = {cfg.rename_columns}: two columns would be named "
+                f"{', '.join(clashes)} (columns: {', '.join(dataset.column_names)}); rename "
+                "the existing one too, or choose another name"
             )
         dataset = dataset.rename_columns(cfg.rename_columns)
     columns = dataset.column_names
@@ -88,7 +148,7 @@ def _prepare(cfg: DataConfig, dataset, split: str, tokenizer, seed: int) -> Prom
             f"of {cfg.dataset!r} (columns: {', '.join(columns)})"
         )
     table = dataset.to_dict()
-    queries = [str(q) for q in table[cfg.query_column]]
+    queries = [_query_text(q, i, cfg, split) for i, q in enumerate(table[cfg.query_column])]
     if cfg.min_query_chars:
         keep = [i for i, q in enumerate(queries) if len(q) > cfg.min_query_chars]
         queries = [queries[i] for i in keep]
@@ -97,7 +157,49 @@ def _prepare(cfg: DataConfig, dataset, split: str, tokenizer, seed: int) -> Prom
         raise UserError(f"data.dataset = {cfg.dataset!r}: split {split!r} has no usable rows")
     if cfg.query_max_tokens:
         queries = _token_prefixes(queries, tokenizer, cfg, seed)
-    return PromptSet(queries, table)
+    prompts = PromptSet(queries, table)
+    _check_formatting(cfg, prompts, tokenizer)
+    return prompts
+
+
+def _query_text(value, row: int, cfg: DataConfig, split: str) -> str:
+    """A query is text (a number is taken as its digits); anything else would become prompt text
+    such as "None" or "['5+22=']" without a word."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return str(value)
+    raise UserError(
+        f"data.query_column = {cfg.query_column!r}: row {row} of {cfg.dataset!r} split "
+        f"{split!r} holds {_kind(value)} {str(value)[:60]!r}, not text; fix or drop such rows "
+        "(or choose another data.query_column)"
+    )
+
+
+def _kind(value) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def _check_formatting(cfg: DataConfig, prompts: PromptSet, tokenizer) -> None:
+    """Format every prompt once now (cheap), so that a template that does not fit a row, or a
+    chat template the tokenizer cannot apply, fails before training rather than in it."""
+    for i, (query, row) in enumerate(zip(prompts.queries, prompts.rows(), strict=True)):
+        try:
+            text = format_prompt(cfg.prompt_template, query, row)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise UserError(
+                f"data.prompt_template = {cfg.prompt_template!r} cannot format row {i} "
+                f"({type(e).__name__}: {e})"
+            ) from None
+    if cfg.chat_template and tokenizer is not None and len(prompts):
+        try:
+            render(tokenizer, cfg, text)
+        except Exception as e:  # jinja errors, or no template at all
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(
+                f"data.chat_template = true, but the tokenizer cannot apply its chat template: "
+                f"{reason}"
+            ) from None
 
 
 def _token_prefixes(texts: list[str], tokenizer, cfg: DataConfig, seed: int) -> list[str]:
@@ -117,6 +219,7 @@ def _load_split(cfg: DataConfig, split: str):
     datasets.disable_progress_bars()
     path = Path(cfg.dataset)
     key = f"data.dataset = {cfg.dataset!r}"
+    loaded = None
     try:
         if path.is_file():
             if path.stat().st_size == 0:
@@ -126,6 +229,11 @@ def _load_split(cfg: DataConfig, split: str):
                 raise UserError(f"{key}: unsupported file type (use {', '.join(LOCAL_BUILDERS)})")
             # A single file is one split, whatever its name: it is the split asked for.
             return datasets.load_dataset(builder, data_files=str(path), split="train")
+        if not path.exists() and (
+            path.suffix in LOCAL_BUILDERS or cfg.dataset.startswith(("/", "./", "../", "~"))
+        ):
+            relative = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+            raise UserError(f"{key}: no such file or directory{relative}")
         if path.is_dir():
             if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
                 loaded = datasets.load_from_disk(str(path))
@@ -135,9 +243,19 @@ def _load_split(cfg: DataConfig, split: str):
     except UserError:
         raise
     except KeyError:
-        raise UserError(f"{key}: has no split {split!r}") from None
+        names = (
+            f" (splits: {', '.join(loaded)})" if isinstance(loaded, datasets.DatasetDict) else ""
+        )
+        raise UserError(f"{key}: has no split {split!r}{names}") from None
     except Exception as e:  # datasets raises many types: not found, offline, bad split, bad file
-        raise UserError(f"{key} (split {split!r}) could not be loaded: {first_line(e)}") from None
+        if type(e).__name__ == "DatasetGenerationError" and e.__cause__ is not None:
+            e = e.__cause__  # what was wrong with the file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        known = re.search(r"Unknown split \"[^\"]*\"\. Should be one of \[(.*)\]", reason)
+        if known:
+            names = known.group(1).replace("'", "")
+            raise UserError(f"{key}: has no split {split!r} (splits: {names})") from None
+        raise UserError(f"{key} (split {split!r}) could not be loaded: {reason}") from None
 
 
 def format_prompt(template: str, query: str, row: dict) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,11 +24,11 @@ import torch
 
 from cory_lora.config import Recipe, greedy, load_recipe, template_fields
 from cory_lora.cory import Roles, play_episode
-from cory_lora.data import PromptSet, load_eval_prompts
+from cory_lora.data import PromptSet, eval_split, load_eval_prompts
 from cory_lora.errors import UserError
 from cory_lora.generation import Generation
 from cory_lora.model import BASE, Agents, load_agents
-from cory_lora.outputs import atomic_write_text
+from cory_lora.outputs import RunLock, atomic_write_text
 from cory_lora.rewards import Reward, load_reward
 from cory_lora.update import sequence_kl
 
@@ -56,14 +57,32 @@ class EvalRow:
 def load_run(run_dir: Path) -> tuple[Recipe, Agents]:
     """The run's resolved recipe and its final agents (adapters and value heads)."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").exists():
+    if not (run_dir / "config.toml").is_file():
         raise UserError(f"{run_dir}: not a run directory (no config.toml)")
     if not (run_dir / "final").is_dir():
         raise UserError(f"{run_dir}: the run has not finished (no final/ adapters)")
     recipe = load_recipe(run_dir / "config.toml")
     agents = load_agents(recipe)
-    agents.load(run_dir / "final")
+    try:
+        agents.load(run_dir / "final")
+    except UserError:
+        raise
+    except Exception as e:  # missing or truncated files, tensors of another shape
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"{run_dir / 'final'} is damaged or does not fit the run's config.toml "
+            f"({type(e).__name__}: {reason}); its checkpoints are intact: delete final/ and "
+            f"`cory-lora resume {run_dir}` writes it again"
+        ) from None
     return recipe, agents
+
+
+def eval_file(run_dir: Path, split: str, default: str) -> Path:
+    """eval.json for the run's own held-out split; eval-<split>.json for any other, so that an
+    evaluation of one split never overwrites another's."""
+    if split == default:
+        return Path(run_dir) / "eval.json"
+    return Path(run_dir) / f"eval-{re.sub(r'[^A-Za-z0-9._-]', '_', split)}.json"
 
 
 def evaluate(
@@ -73,11 +92,23 @@ def evaluate(
     ks: tuple[int, ...] = (1,),
     n: int = 0,
 ) -> dict:
-    """Evaluate every row on up to `limit` held-out prompts; write run_dir/eval.json."""
-    recipe, agents = load_run(run_dir)
+    """Evaluate every row on up to `limit` held-out prompts; write run_dir/eval.json (or
+    eval-<split>.json, see eval_file). The run directory is locked meanwhile: a run being trained
+    or overwritten is not evaluated."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise UserError(f"{run_dir}: not a run directory (no config.toml)")
+    with RunLock(run_dir).acquire():
+        return _evaluate(run_dir, split, limit, ks, n)
+
+
+def _evaluate(run_dir: Path, split: str | None, limit: int, ks: tuple[int, ...], n: int) -> dict:
     n = n or max(ks)
     if max(ks) > n:
         raise UserError(f"--k {max(ks)} needs at least that many samples per prompt (--n {n})")
+    recipe = load_recipe(run_dir / "config.toml")
+    name, held_out = eval_split(recipe.data, split)  # refuses before any model is loaded
+    recipe, agents = load_run(run_dir)
     prompts = load_eval_prompts(recipe.data, agents.tokenizer, recipe.train.seed, split)
     prompts = prompts.take(list(range(min(limit, len(prompts)))))
     reward = load_reward(recipe.reward, str(agents.device), recipe.data)
@@ -89,11 +120,11 @@ def evaluate(
             evaluator.pair(Roles(*agents.names).swapped()),
         ]
     rows.append(evaluator.base())
+    path = eval_file(run_dir, name, default=_default_split(recipe))
     result = {
         "run": str(run_dir),
-        "split": split
-        or recipe.data.eval_split
-        or ("holdout" if recipe.data.eval_holdout else "test"),
+        "split": name,
+        "held_out": held_out,
         "prompts": len(prompts),
         "samples_per_prompt": n,
         "k": list(ks),
@@ -102,8 +133,15 @@ def evaluate(
             row.__dict__ | {"pass_at": {str(k): v for k, v in row.pass_at.items()}} for row in rows
         ],
     }
-    atomic_write_text(Path(run_dir) / "eval.json", json.dumps(result, indent=2) + "\n")
-    return result
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+    return result | {"path": str(path)}
+
+
+def _default_split(recipe: Recipe) -> str | None:
+    try:
+        return eval_split(recipe.data)[0]
+    except UserError:  # the run has no held-out split: every evaluation names its own
+        return None
 
 
 class _Evaluator:

@@ -25,6 +25,7 @@ import torch
 
 from cory_lora import faults
 from cory_lora.config import GenerationConfig
+from cory_lora.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,16 @@ def _pick(logits, step, cfg: GenerationConfig, eos, seen, generator) -> torch.Te
         remove = remove_sorted.scatter(1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    try:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    except RuntimeError as e:
+        if "probability tensor contains" not in str(e):
+            raise
+        raise UserError(
+            "sampling failed: the model's next-token probabilities hold NaN/inf (a numerical "
+            "overflow: model.dtype = float16 on a model trained in bfloat16, or a learning rate "
+            "too high?)"
+        ) from None
 
 
 def _hits_stop_string(

@@ -8,13 +8,10 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
+from cory_lora.checkpoint import stopped_message
 from cory_lora.errors import UserError
-
-STOPPED_AT_ONCE = (
-    "stopped at once: the last complete checkpoint is intact; resume with "
-    "`cory-lora resume RUN_DIR`"
-)
 
 
 class Interrupted(UserError):
@@ -31,8 +28,8 @@ class GracefulStop:
     shutdown): it exits the process there and then.
     """
 
-    def __init__(self, display):
-        self.display, self.requested, self._previous = display, False, None
+    def __init__(self, display, run_dir: Path):
+        self.display, self.run_dir, self.requested, self._previous = display, run_dir, False, None
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():
@@ -42,7 +39,7 @@ class GracefulStop:
     def _handle(self, signum, frame) -> None:
         if self.requested:
             self.display.console.show_cursor(True)
-            print(f"\n{STOPPED_AT_ONCE}", file=sys.stderr, flush=True)
+            print("\n" + stopped_message(self.run_dir), file=sys.stderr, flush=True)
             os._exit(130)
         self.requested = True
         self.display.message(

@@ -56,10 +56,17 @@ def _meta_model(recipe: Recipe):
             f"model.name_or_path = {recipe.model.name_or_path!r}: cannot read its config "
             f"(a local directory with config.json, or a hub id reachable or cached): {e}"
         ) from None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, trust_remote_code=recipe.model.trust_remote_code
-        )
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, trust_remote_code=recipe.model.trust_remote_code
+            )
+    except (ValueError, KeyError, TypeError) as e:  # e.g. not a causal LM (a BERT config)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"model.name_or_path = {recipe.model.name_or_path!r}: not a causal language model "
+            f"cory-lora can plan for: {reason}"
+        ) from None
     return config.get_text_config(), model
 
 
@@ -71,6 +78,16 @@ def _is_target(name: str, targets: tuple[str, ...]) -> bool:
 
 def estimate(recipe: Recipe) -> MemoryPlan:
     config, model = _meta_model(recipe)
+    missing = [
+        key
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        if not isinstance(getattr(config, key, None), int)
+    ]
+    if missing:
+        raise UserError(
+            f"model.name_or_path = {recipe.model.name_or_path!r}: its config has no "
+            f"{', '.join(missing)}; cory-lora cannot plan for this architecture"
+        )
     dtype = resolve_dtype(recipe.model.dtype, torch.device("cuda"))
     if recipe.model.dtype == "auto":
         dtype = torch.bfloat16  # what `auto` gives on a recent GPU

@@ -9,11 +9,14 @@ eta: up and to the left is better.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
 import tomllib
 from pathlib import Path
 
-from cory_lora.errors import UserError
-from cory_lora.outputs import atomic_file, read_jsonl
+from cory_lora.errors import UserError, os_error_message
 
 PANELS = (
     ("task_reward", "task reward"),
@@ -24,31 +27,70 @@ AGENT_STYLES = {"llm1": "-", "llm2": "--"}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics, one dict per iteration. Lines that are not whole records (the last
+    one of a run being written or killed, or a damaged one) are left out: a plot of what is
+    there beats no plot."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
+    if not path.is_file():
         raise UserError(f"{run_dir}: no metrics.jsonl (not a run directory, or no iteration done)")
-    rows = read_jsonl(path)
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("iteration"), int):
+                rows.append(row)
     if not rows:
-        raise UserError(f"{path} is empty")
+        raise UserError(f"{path} holds no complete iteration yet")
     return rows
 
 
+def _value(row: dict, key: str) -> float:
+    """A metric as a float; NaN where it is missing or null (an update that was skipped)."""
+    value = row.get(key)
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
 def _moving_average(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+    """Mean of the last `window` values at each point, NaN values left out (NaN if all are)."""
+    out = []
+    for i in range(len(values)):
+        known = [v for v in values[max(0, i - window + 1) : i + 1] if not math.isnan(v)]
+        out.append(sum(known) / len(known) if known else math.nan)
     return out
 
 
 def _run_label(run_dir: Path) -> tuple[str, float | None]:
     config = Path(run_dir) / "config.toml"
     eta = None
-    if config.exists():
-        eta = tomllib.loads(config.read_text()).get("log", {}).get("eta")
-    return Path(run_dir).name, eta
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no config, or not a recipe
+        eta = tomllib.loads(config.read_text(encoding="utf-8")).get("log", {}).get("eta")
+    return Path(run_dir).resolve().name, eta
+
+
+def check_image_path(out: Path) -> None:
+    """Refuse, before any work, an output that cannot be an image file of a known type."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    out = Path(out)
+    types = FigureCanvasBase.get_supported_filetypes()
+    if out.is_dir():
+        raise UserError(
+            f"-o {str(out)!r} is a directory; name an image file, e.g. {out / 'curves.png'}"
+        )
+    kind = out.suffix.lstrip(".").lower()
+    if kind not in types:
+        raise UserError(
+            f"-o {str(out)!r}: {'unknown image type .' + kind if kind else 'no image type'}; "
+            f"end the name with one of {', '.join('.' + t for t in sorted(types))}"
+        )
+    for parent in out.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"-o {str(out)!r}: {str(parent)!r} is a file, not a directory")
+            break
 
 
 def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
@@ -58,17 +100,18 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
+    check_image_path(out)
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for r, (run_dir, rows) in enumerate(runs):
         colour = colours[r % len(colours)]
         name, eta = _run_label(run_dir)
-        agents = [a for a in AGENT_STYLES if f"{a}/task_reward" in rows[0]]
+        agents = [a for a in AGENT_STYLES if any(f"{a}/task_reward" in m for m in rows)]
         x = [m["iteration"] for m in rows]
         for ax, (key, title) in zip(axes, PANELS, strict=False):
             for agent in agents:
-                y = [m[f"{agent}/{key}"] for m in rows]
+                y = [_value(m, f"{agent}/{key}") for m in rows]
                 ax.plot(x, y, color=colour, alpha=0.15, linestyle=AGENT_STYLES[agent])
                 ax.plot(
                     x,
@@ -80,21 +123,34 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
             ax.set_title(title)
             ax.set_xlabel("iteration")
         tail = rows[-smooth:]
-        final_kl = sum(m[f"{a}/kl"] for m in tail for a in agents) / (len(tail) * len(agents))
-        final_reward = sum(m[f"{a}/task_reward"] for m in tail for a in agents) / (
-            len(tail) * len(agents)
-        )
-        axes[3].scatter([final_kl], [final_reward], color=colour, s=60)
-        label = f"{name} (eta={eta})" if eta is not None else name
-        axes[3].annotate(label, (final_kl, final_reward), textcoords="offset points", xytext=(6, 6))
+        final_kl = _mean([_value(m, f"{a}/kl") for m in tail for a in agents])
+        final_reward = _mean([_value(m, f"{a}/task_reward") for m in tail for a in agents])
+        if not (math.isnan(final_kl) or math.isnan(final_reward)):
+            axes[3].scatter([final_kl], [final_reward], color=colour, s=60)
+            label = f"{name} (eta={eta})" if eta is not None else name
+            axes[3].annotate(
+                label, (final_kl, final_reward), textcoords="offset points", xytext=(6, 6)
+            )
     axes[3].set_title(f"reward vs KL (mean of last {smooth} iterations)")
     axes[3].set_xlabel("KL to reference")
     axes[3].set_ylabel("task reward")
-    axes[0].legend(fontsize="small")
+    if any(ax.get_legend_handles_labels()[0] for ax in axes[:1]):
+        axes[0].legend(fontsize="small")
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out) as tmp:  # a reader never sees half a picture
+    tmp = out.with_name(f".{out.name}.tmp{out.suffix}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(tmp, dpi=100)
-    plt.close(fig)
+        os.replace(tmp, out)  # a reader never sees half a picture
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(os_error_message(e, f"cannot write {out}")) from None
+    finally:
+        plt.close(fig)
     return out
+
+
+def _mean(values: list[float]) -> float:
+    known = [v for v in values if not math.isnan(v)]
+    return sum(known) / len(known) if known else math.nan

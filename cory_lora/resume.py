@@ -8,7 +8,9 @@ silently; anything else (PPO settings, say) is allowed and listed.
 
 from __future__ import annotations
 
-from cory_lora.checkpoint import list_checkpoints, load_checkpoint
+from dataclasses import dataclass
+
+from cory_lora.checkpoint import completed, list_checkpoints, load_checkpoint
 from cory_lora.config import Recipe, load_recipe, to_dict
 from cory_lora.errors import UserError
 from cory_lora.model import Agents
@@ -55,6 +57,51 @@ def resume_differences(old: Recipe, new: Recipe) -> tuple[list[str], list[str]]:
     refused = [k for k in changed if matches(k, RESUME_REFUSED)]
     noted = [k for k in changed if not matches(k, RESUME_REFUSED) and not matches(k, RESUME_FREE)]
     return refused, noted
+
+
+@dataclass(frozen=True)
+class ResumeCheck:
+    """What a resume will find, checked before anything is loaded or written."""
+
+    done: int  # iterations completed at the newest checkpoint
+    complete: bool  # the run already has its iterations and final/: nothing to do, touch nothing
+    warning: str | None  # damage in the live logs that the resume mends from the checkpoint
+
+
+def check_resume(run_dir: RunDir, recipe: Recipe) -> ResumeCheck:
+    """Check a resume with `recipe` before it loads anything. Raises UserError when the recipe
+    describes another run, when there is no checkpoint, when the newest one is past
+    train.iterations (a resume cannot undo iterations, and training nothing while recording the
+    lower count would falsify the record of what ran), or when the logs are damaged beyond what
+    the checkpoint can mend."""
+    refused, _ = resume_differences(load_recipe(run_dir.path / "config.toml"), recipe)
+    if refused:
+        raise UserError(
+            f"cannot resume {run_dir.path} with a recipe that changed {', '.join(refused)}: "
+            "that would be a different run (start a new one, or undo those changes)"
+        )
+    iterations = recipe.train.iterations
+    checkpoints = list_checkpoints(run_dir.path)
+    if not checkpoints and (run_dir.path / "final").is_dir():
+        raise UserError(
+            f"nothing to resume in {run_dir.path}: its checkpoints were deleted (final/ holds its "
+            "adapters, but a resume needs a checkpoint's optimizer and random states); to train "
+            "longer, start a new run"
+        )
+    if not checkpoints:
+        raise UserError(
+            f"nothing to resume in {run_dir.path}: it has no checkpoint (the run stopped before "
+            "its first one); start it again with --overwrite"
+        )
+    done = completed(checkpoints[-1])
+    if done > iterations:
+        raise UserError(
+            f"{run_dir.path} already has {done} iterations ({checkpoints[-1].name}); "
+            f"train.iterations = {iterations} is fewer, and a resume cannot undo iterations. "
+            "Nothing was changed: raise train.iterations to extend the run, or start a new one"
+        )
+    complete = done == iterations and (run_dir.path / "final").is_dir()
+    return ResumeCheck(done, complete, None if complete else run_dir.check_logs(done))
 
 
 def restore(run_dir: RunDir, recipe: Recipe, agents: Agents, state: TrainerState, say) -> None:

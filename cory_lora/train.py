@@ -79,7 +79,7 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
     setup, state = prepare(recipe, run_dir, display, resume)
     display.start(recipe.train.iterations, done=state.iteration)
     try:
-        with GracefulStop(display) as stop:
+        with GracefulStop(display, run_dir.path) as stop:
             while state.iteration < recipe.train.iterations:
                 train_iteration(setup, state)
                 # 6. Checkpoint when due, at the end, or when Ctrl-C asked to stop.

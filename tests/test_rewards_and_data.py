@@ -116,7 +116,7 @@ def test_missing_columns_are_named(tmp_path, config, message):
 
 
 def test_missing_or_empty_dataset(tmp_path):
-    with pytest.raises(UserError, match=r"data\.dataset = .*could not be loaded"):
+    with pytest.raises(UserError, match=r"data\.dataset = .*: no such file or directory"):
         load_prompts(DataConfig(dataset=str(tmp_path / "nowhere" / "x")))
     d = tmp_path / "d"
     d.mkdir()

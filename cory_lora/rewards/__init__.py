@@ -21,6 +21,7 @@ import functools
 import importlib
 import inspect
 import math
+import numbers
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,6 +107,11 @@ class Reward:
                 values = self.fn(prompts=given_prompts, completions=given_completions, **columns)
         except RewardError:
             raise  # already says what went wrong (an HTTP reward's server, say)
+        except SystemExit as e:  # would end the whole run, silently, with the reward's code
+            raise RewardError(
+                f"reward {self.name!r} called sys.exit({e.code!r}); a reward must return its "
+                "scores (raise an exception to report a problem)"
+            ) from None
         except Exception as e:
             hint = ""
             if self.completion_format == CONVERSATIONAL:
@@ -115,14 +121,15 @@ class Reward:
                     '"text" for plain strings)'
                 )
             raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e}{hint}") from e
-        if isinstance(values, torch.Tensor):
+        if isinstance(values, torch.Tensor) and values.ndim >= 1:
             values = values.detach().cpu().flatten().tolist()
-        try:
-            values = list(values)
-        except TypeError:
+        elif type(values).__module__ == "numpy" and getattr(values, "ndim", 0) >= 1:
+            values = values.ravel().tolist()
+        if not isinstance(values, (list, tuple)):
             raise RewardError(
-                f"reward {self.name!r} returned {type(values).__name__}, expected a list of floats"
-            ) from None
+                f"reward {self.name!r} returned {_describe(values)}, expected a list of floats "
+                "(one per completion)"
+            )
         if len(values) != len(completions):
             raise RewardError(
                 f"reward {self.name!r} returned {len(values)} values "
@@ -130,15 +137,15 @@ class Reward:
             )
         scores = []
         for i, v in enumerate(values):
-            try:
-                # None (TRL: "no score for this one") and NaN/inf come back as NaN: the training
-                # loop skips the update they would poison, with a warning naming the samples.
-                scores.append(math.nan if v is None else float(v))
-            except (TypeError, ValueError):
+            v = _as_scalar(v)
+            # None (TRL: "no score for this one") and NaN/inf come back as NaN: the training
+            # loop skips the update they would poison, with a warning naming the samples.
+            if v is not None and not isinstance(v, numbers.Real):  # "0.5" is not a number
                 raise RewardError(
-                    f"reward {self.name!r} returned {v!r} for sample {i} "
-                    f"(completion {completions[i]!r}); expected a number"
-                ) from None
+                    f"reward {self.name!r} returned {_short(v)} for sample {i} "
+                    f"(completion {completions[i]!r}): a {type(v).__name__}, expected a number"
+                )
+            scores.append(math.nan if v is None else float(v))
         return torch.tensor(scores, dtype=torch.float32)
 
     def shaped(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
@@ -150,6 +157,24 @@ class Reward:
             [[*system, {"role": "user", "content": p}] for p in prompts],
             [[{"role": "assistant", "content": c}] for c in completions],
         )
+
+
+def _as_scalar(value):
+    """A one-element tensor or a NumPy scalar as a Python number; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    if type(value).__module__ == "numpy" and getattr(value, "size", 0) == 1:
+        return value.item()
+    return value
+
+
+def _short(value) -> str:
+    shown = repr(value)
+    return shown[:80] + "..." if len(shown) > 80 else shown
+
+
+def _describe(value) -> str:
+    return f"{type(value).__name__} {_short(value)}"
 
 
 def load_reward(
@@ -206,15 +231,38 @@ def _resolve(spec: str) -> Callable:
         known = ", ".join(BUILTIN)
         raise UserError(f"reward.function = {spec!r}: not a built-in ({known}) nor module:function")
     module_name, function_name = spec.split(":", 1)
+    if not module_name or not function_name:
+        raise UserError(f"reward.function = {spec!r}: expected module:function")
     if "" not in sys.path:
         sys.path.insert(0, "")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise UserError(f"reward.function = {spec!r}: cannot import {module_name!r}: {e}") from None
-    fn = getattr(module, function_name, None)
-    if not callable(fn):
+    except SyntaxError as e:
+        raise UserError(
+            f"reward.function = {spec!r}: {module_name!r} has a syntax error: {e.msg} "
+            f"({e.filename}, line {e.lineno})"
+        ) from None
+    except (Exception, SystemExit) as e:  # the module's own code failed while being imported
+        what = f"sys.exit({e.code!r})" if isinstance(e, SystemExit) else type(e).__name__
+        where = ""
+        frames = [f for f in inspect.trace() if f.filename.endswith(".py")]
+        if frames:
+            where = f" ({frames[-1].filename}, line {frames[-1].lineno})"
+        raise UserError(
+            f"reward.function = {spec!r}: importing {module_name!r} failed: {what}: {e}{where}"
+            if not isinstance(e, SystemExit)
+            else f"reward.function = {spec!r}: importing {module_name!r} called {what}{where}"
+        ) from None
+    if not hasattr(module, function_name):
         raise UserError(
             f"reward.function = {spec!r}: {module_name} has no function {function_name!r}"
+        )
+    fn = getattr(module, function_name)
+    if not callable(fn):
+        raise UserError(
+            f"reward.function = {spec!r}: {module_name}.{function_name} is "
+            f"{_describe(fn)}, not a function"
         )
     return fn
