@@ -25,7 +25,12 @@ from pathlib import Path
 
 from cory_lora.config import Recipe, load_recipe
 from cory_lora.errors import UserError, first_line
-from cory_lora.model import VALUE_HEAD_FILE, check_model_path, looks_like_a_path
+from cory_lora.model import (
+    VALUE_HEAD_FILE,
+    check_model_path,
+    looks_like_a_path,
+    read_model_config,
+)
 from cory_lora.outputs import atomic_directory
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
@@ -90,17 +95,8 @@ def _finished_run(run_dir: Path) -> Recipe:
 def base_dtype(recipe: Recipe):
     """The dtype the base checkpoint is stored in (its config.json), float32 when unstated."""
     import torch
-    from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(
-            recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        raise UserError(
-            f"model.name_or_path = {recipe.model.name_or_path!r}: cannot read the base's config "
-            f"to merge into it: {first_line(e)}"
-        ) from None
+    config = read_model_config(recipe.model, "the base's config to merge into it")
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)

@@ -190,6 +190,18 @@ def check_model_path(cfg: ModelConfig) -> None:
         raise UserError(f"model.name_or_path = {cfg.name_or_path!r}: no such local directory")
 
 
+def read_model_config(cfg: ModelConfig, why: str):
+    """The base model's `config.json` (no weights), or a UserError saying `why` it was needed."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"model.name_or_path = {cfg.name_or_path!r}: cannot read {why}: {first_line(e)}"
+        ) from None
+
+
 def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 

@@ -30,7 +30,7 @@ import torch
 
 from cory_lora.config import Recipe
 from cory_lora.errors import UserError
-from cory_lora.model import resolve_dtype
+from cory_lora.model import read_model_config, resolve_dtype
 
 GB = 1024**3
 
@@ -45,17 +45,12 @@ class MemoryPlan:
 
 
 def _meta_model(recipe: Recipe):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    try:
-        config = AutoConfig.from_pretrained(
-            recipe.model.name_or_path, trust_remote_code=recipe.model.trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        raise UserError(
-            f"model.name_or_path = {recipe.model.name_or_path!r}: cannot read its config "
-            f"(a local directory with config.json, or a hub id reachable or cached): {e}"
-        ) from None
+    config = read_model_config(
+        recipe.model,
+        "its config (a local directory with config.json, or a hub id reachable or cached)",
+    )
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
