@@ -55,6 +55,24 @@ def run_cli_process(*args, kill_at: str | None = None, timeout: int = 300):
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def episode_of(agents, recipe, roles, n: int, seed: int = 0):
+    """A real episode of the first n training prompts, rewarded by the recipe's reward."""
+    from cory_lora.cory import play_episode
+    from cory_lora.data import load_prompts
+    from cory_lora.rewards import load_reward
+
+    prompts = load_prompts(recipe.data).take(list(range(n)))
+    return play_episode(
+        agents,
+        roles,
+        prompts,
+        recipe,
+        load_reward(recipe.reward.function),
+        agents.stopping(recipe.generation.stop),
+        torch.Generator().manual_seed(seed),
+    )
+
+
 def adapter_state(agents, name: str) -> dict[str, torch.Tensor]:
     """Agent `name`'s LoRA weights and value head, by parameter name."""
     state = {n: p for n, p in agents.model.named_parameters() if is_lora_of(n, name)}

@@ -12,30 +12,15 @@ from safetensors.torch import load_file
 
 from cory_lora import ppo
 from cory_lora.config import recipe_from_dict
-from cory_lora.cory import Roles, draw_response_length, exchanges_roles_at, play_episode, roles_at
-from cory_lora.data import load_prompts
+from cory_lora.cory import Roles, draw_response_length, exchanges_roles_at, roles_at
 from cory_lora.elastic import AdapterEMA
 from cory_lora.errors import ConfigError
 from cory_lora.model import load_agents
-from cory_lora.rewards import load_reward
 from cory_lora.state import new_agent_state
 from cory_lora.update import make_rollout, ppo_update, train_agent
 
 from .conftest import tiny_recipe_dict
-from .helpers import invoke, read_jsonl, write_recipe
-
-
-def episode_of(agents, recipe, roles, n=8, seed=0):
-    prompts = load_prompts(recipe.data).take(list(range(n)))
-    return play_episode(
-        agents,
-        roles,
-        prompts,
-        recipe,
-        load_reward(recipe.reward.function),
-        agents.stopping(recipe.generation.stop),
-        torch.Generator().manual_seed(seed),
-    )
+from .helpers import episode_of, invoke, read_jsonl, write_recipe
 
 
 @pytest.mark.parametrize("estimator", ["full", "k3"])
@@ -48,7 +33,7 @@ def test_kl_controller_follows_the_kl_the_penalty_uses(tiny_recipe, estimator):
     with torch.no_grad():  # move llm1 away from the reference so that its KL is not zero
         for p in agents.lora_parameters("llm1"):
             p.add_(0.3 * torch.randn_like(p))
-    episode = episode_of(agents, recipe, Roles("llm1", None))
+    episode = episode_of(agents, recipe, Roles("llm1", None), 8)
     state = new_agent_state(agents, "llm1", recipe)
     scores = episode.pioneer_rewards
     rollout = make_rollout(
@@ -85,7 +70,7 @@ def test_response_length_is_drawn_once_per_iteration_for_both_roles(tiny_recipe)
     generator = torch.Generator().manual_seed(3)
     this_iteration = draw_response_length(recipe, generator)
     n = this_iteration.generation.max_new_tokens
-    episode = episode_of(agents, this_iteration, Roles("llm1", "llm2"))
+    episode = episode_of(agents, this_iteration, Roles("llm1", "llm2"), 8)
     for generation in (episode.pioneer_generation, episode.observer_generation):
         assert int(generation.response_mask.sum(1).max()) <= n
     # without a range nothing is drawn: the sampling generator is untouched
@@ -128,16 +113,16 @@ def test_restart_clears_optimizer_kl_coefficient_and_score_statistics(tiny_recip
 
 def test_without_transfer_the_observer_answers_the_plain_query(tiny_recipe):
     agents = load_agents(tiny_recipe())
-    with_transfer = episode_of(agents, tiny_recipe(), Roles("llm1", "llm2"))
+    with_transfer = episode_of(agents, tiny_recipe(), Roles("llm1", "llm2"), 8)
     assert with_transfer.observer_prompts != with_transfer.pioneer_prompts
-    without = episode_of(agents, tiny_recipe(cory={"transfer": False}), Roles("llm1", "llm2"))
+    without = episode_of(agents, tiny_recipe(cory={"transfer": False}), Roles("llm1", "llm2"), 8)
     assert without.observer_prompts == without.pioneer_prompts
 
 
 def test_ratio_guard_zeroes_a_diverged_micro_batch(tiny_recipe):
     recipe = tiny_recipe(train={"algorithm": "ppo"}, ppo={"ratio_threshold": 10.0})
     agents = load_agents(recipe)
-    episode = episode_of(agents, recipe, Roles("llm1", None))
+    episode = episode_of(agents, recipe, Roles("llm1", None), 8)
     state = new_agent_state(agents, "llm1", recipe)
     scores = episode.pioneer_rewards + torch.linspace(-1, 1, 8)
     rollout = make_rollout(

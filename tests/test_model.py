@@ -14,7 +14,7 @@ from cory_lora.rewards import load_reward
 from cory_lora.state import new_agent_state
 from cory_lora.update import make_rollout, ppo_update
 
-from .helpers import adapter_state, parameter_bytes
+from .helpers import adapter_state, episode_of, parameter_bytes
 
 
 def probe(agents):
@@ -40,17 +40,7 @@ def snapshot(agents, name):
 
 def one_update(agents, recipe, name, seed=0):
     """A real rollout and PPO update of agent `name` (as pioneer, alone)."""
-    prompts = load_prompts(recipe.data).take(list(range(recipe.ppo.batch_size)))
-    roles = Roles(name, None)
-    episode = play_episode(
-        agents,
-        roles,
-        prompts,
-        recipe,
-        load_reward(recipe.reward.function),
-        agents.stopping(recipe.generation.stop),
-        torch.Generator().manual_seed(seed),
-    )
+    episode = episode_of(agents, recipe, Roles(name, None), recipe.ppo.batch_size, seed)
     # a non-zero score so the policy gradient is not zero
     scores = episode.pioneer_rewards + torch.linspace(-1, 1, len(episode.pioneer_rewards))
     state = new_agent_state(agents, name, recipe)
