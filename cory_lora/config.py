@@ -323,6 +323,15 @@ class TrainConfig:
         "NaN/inf (rewards, logprobs, advantages or loss).",
         gt=0,
     )
+    eval_every: int = _opt(
+        0,
+        "Evaluate each agent alone on held-out prompts every this many iterations and at the "
+        "last: greedy accuracy (when the reward is 0/1), task reward and KL of sampled answers, "
+        "into metrics.jsonl as eval/llmK/... and the trackers. The prompts are those `cory-lora "
+        "eval` scores (data.eval_split, data.eval_holdout or the dataset's test split). 0: never.",
+        ge=0,
+    )
+    eval_limit: int = _opt(100, "Held-out prompts each evaluation during training scores.", gt=0)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Curves: task reward, KL and combined reward per agent over iterations (a moving 
 `smooth` iterations; raw values faint behind). Colours tell runs apart, line styles agents
 (solid llm1, dashed llm2). The reward–KL panel puts each run's final point (mean of its last
 `smooth` iterations over its agents) in the plane, labelled with the run name and its recipe's
-eta: up and to the left is better.
+eta: up and to the left is better. Runs that evaluated during training (`train.eval_every`) get
+a fifth panel: each agent's held-out greedy accuracy (task reward where the reward is not 0/1).
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
 
     check_image_path(out)
     runs = [(Path(d), read_metrics(d)) for d in run_dirs]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.5))
+    evaluated = any(key.startswith("eval/") for _, rows in runs for m in rows for key in m)
+    fig, axes = plt.subplots(1, 5 if evaluated else 4, figsize=(25 if evaluated else 20, 4.5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for r, (run_dir, rows) in enumerate(runs):
         colour = colours[r % len(colours)]
@@ -122,6 +124,8 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
                 )
             ax.set_title(title)
             ax.set_xlabel("iteration")
+        if evaluated:
+            _plot_eval(axes[4], rows, agents, colour, name)
         tail = rows[-smooth:]
         final_kl = _mean([_value(m, f"{a}/kl") for m in tail for a in agents])
         final_reward = _mean([_value(m, f"{a}/task_reward") for m in tail for a in agents])
@@ -149,6 +153,26 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def _plot_eval(ax, rows: list[dict], agents: list[str], colour: str, name: str) -> None:
+    """Held-out figures of the iterations that evaluated: accuracy, else task reward."""
+    for agent in agents:
+        evaluated = [m for m in rows if f"eval/{agent}/task_reward" in m]
+        if not evaluated:
+            continue
+        accuracy = any(m.get(f"eval/{agent}/accuracy") is not None for m in evaluated)
+        key = f"eval/{agent}/{'accuracy' if accuracy else 'task_reward'}"
+        ax.plot(
+            [m["iteration"] for m in evaluated],
+            [_value(m, key) for m in evaluated],
+            color=colour,
+            linestyle=AGENT_STYLES[agent],
+            marker="o",
+            label=f"{name} {agent}",
+        )
+    ax.set_title("held-out accuracy (or task reward), during training")
+    ax.set_xlabel("iteration")
 
 
 def _mean(values: list[float]) -> float:

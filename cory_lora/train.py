@@ -14,7 +14,8 @@ One iteration (the numbered steps of `train_iteration`):
    KL penalty, GAE advantages, PPO epochs with its own optimizer, then its KL coefficient moves.
    NaN/inf anywhere skips that agent's update and leaves it as it was. With Elastic Reset
    (`reset.every`), every agent's adapter is reset to its EMA when due.
-5. Log: metrics.jsonl, samples.jsonl and the display; stop when an agent's updates keep failing.
+5. Log: metrics.jsonl, samples.jsonl and the display (with `train.eval_every`, each agent's
+   held-out figures first); stop when an agent's updates keep failing.
 6. (in `run`) Checkpoint when due, at the end, or when Ctrl-C asked to stop.
 
 The maths lives in ppo.py, one agent's step in update.py, the episode in cory.py.
@@ -41,11 +42,12 @@ from cory_lora.cory import (
     play_episode,
     roles_at,
 )
-from cory_lora.data import PromptSet, load_prompts
+from cory_lora.data import PromptSet, load_eval_prompts, load_prompts
 from cory_lora.errors import UserError
 from cory_lora.generation import Stopping
+from cory_lora.heldout import Evaluator
 from cory_lora.interrupts import GracefulStop, Interrupted
-from cory_lora.metrics import iteration_metrics, samples
+from cory_lora.metrics import finite_or_none, iteration_metrics, samples
 from cory_lora.model import Agents, load_agents, load_tokenizer, resolve_device
 from cory_lora.outputs import RunDir, read_jsonl
 from cory_lora.plots import plot_runs
@@ -72,6 +74,7 @@ class Setup:
     run_dir: RunDir
     display: Display
     trackers: Trackers
+    evaluator: Evaluator | None  # train.eval_every: held-out evaluation during training
 
 
 def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False) -> list[dict]:
@@ -121,6 +124,7 @@ def prepare(
     reward = load_reward(recipe.reward, str(resolve_device(recipe.model.device)), recipe.data)
     reward.check_signature(list(prompts.columns))
     reward.probe(prompts.queries[:2], {k: v[:2] for k, v in prompts.columns.items()})
+    held_out = eval_prompts(recipe, tokenizer)
     display.message(f"loading {recipe.model.name_or_path} ...")
     agents = load_agents(recipe, tokenizer)
     agents.check_context(recipe)
@@ -137,7 +141,22 @@ def prepare(
         )
     stopping = agents.stopping(recipe.generation.stop)
     trackers = open_trackers(recipe, run_dir.path, resume=resume, done=state.iteration)
-    return Setup(recipe, agents, prompts, reward, stopping, run_dir, display, trackers), state
+    evaluator = Evaluator(recipe, agents, reward, held_out, ks=(1,), n=1) if held_out else None
+    setup = Setup(recipe, agents, prompts, reward, stopping, run_dir, display, trackers, evaluator)
+    return setup, state
+
+
+def eval_prompts(recipe: Recipe, tokenizer) -> PromptSet | None:
+    """The first train.eval_limit held-out prompts when train.eval_every asks for evaluation
+    during training (a recipe without held-out prompts is refused here, before training)."""
+    if not recipe.train.eval_every:
+        return None
+    try:
+        prompts = load_eval_prompts(recipe.data, tokenizer, recipe.train.seed)
+    except UserError as e:
+        every = recipe.train.eval_every
+        raise UserError(f"train.eval_every = {every} needs held-out prompts: {e}") from None
+    return prompts.take(list(range(min(recipe.train.eval_limit, len(prompts)))))
 
 
 def train_iteration(setup: Setup, state: TrainerState) -> dict:
@@ -177,12 +196,14 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
         for agent in state.agents.values():
             agent.ema.reset()
             agent.optimizer.state.clear()
-    # 5. Log; stop when an agent's updates keep failing.
+    # 5. Log (after a held-out evaluation when due); stop when an agent's updates keep failing.
     metrics = iteration_metrics(
         state.iteration, episode, scores, outcomes, state.agents, recipe.log.eta
     )
     metrics["time/generation_s"] = generated - started
     metrics["time/iteration_s"] = time.perf_counter() - started
+    if setup.evaluator and eval_due(recipe, state.iteration):
+        metrics |= evaluate_agents(setup, state.iteration)
     setup.run_dir.append("metrics.jsonl", [metrics])
     records = samples(state.iteration, episode, recipe.log.samples_per_iteration)
     setup.run_dir.append("samples.jsonl", records)
@@ -191,6 +212,37 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     setup.display.update(metrics, agents.names, recipe.train.iterations)
     warn(setup, episode, outcomes, state.iteration)
     stop_if_failing(setup, state, outcomes)
+    return metrics
+
+
+def eval_due(recipe: Recipe, iteration: int) -> bool:
+    every = recipe.train.eval_every
+    return bool(every) and (iteration % every == 0 or iteration == recipe.train.iterations)
+
+
+def evaluate_agents(setup: Setup, iteration: int) -> dict:
+    """Each agent alone on the held-out prompts: `eval/llmK/...` metrics. Its episodes draw from
+    their own seeded generator, so training is the same with evaluation on or off."""
+    started = time.perf_counter()
+    metrics = {}
+    for name in setup.agents.names:
+        row = setup.evaluator.alone(name)
+        figures = {
+            "accuracy": row.accuracy,
+            "task_reward": row.task_reward,
+            "kl": row.kl,
+            "combined_reward": row.combined_reward,
+        }
+        metrics |= {
+            f"eval/{name}/{key}": None if value is None else finite_or_none(value)
+            for key, value in figures.items()
+        }
+        shown = "accuracy" if row.accuracy is not None else "task_reward"
+        setup.display.message(
+            f"eval at iteration {iteration}: {name} {shown} {figures[shown]:.3f}  KL {row.kl:.3f}"
+            f"  ({len(setup.evaluator.prompts)} held-out prompts)"
+        )
+    metrics["time/eval_s"] = time.perf_counter() - started
     return metrics
 
 

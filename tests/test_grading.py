@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cory_lora.evaluate import pass_at_k
+from cory_lora.heldout import pass_at_k
 from cory_lora.rewards import gsm8k_accuracy
 from cory_lora.rewards.gsm8k import extract_answer
 

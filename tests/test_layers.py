@@ -20,7 +20,7 @@ LAYERS = [
     {"model"},
     {"state", "plan"},
     {"cory", "update"},
-    {"checkpoint", "metrics", "plots", "trackers"},
+    {"checkpoint", "metrics", "plots", "trackers", "heldout"},
     {"resume", "interrupts"},
     {"train", "evaluate", "export", "study"},
     {"report"},
