@@ -1,8 +1,8 @@
 """Imports flow one way: a module imports only modules of lower layers (README, Layout).
 
-cli → train / evaluate / export → resume → checkpoint / metrics / plots / trackers → cory /
-update → state / plan → model → data / generation / rewards / outputs → config → errors / faults /
-ppo / console / tiny.
+cli → report → train / evaluate / export / study → resume / interrupts → checkpoint / metrics /
+plots / trackers / heldout → cory / update → state / plan → model → data / generation / rewards /
+outputs → config → errors / faults / ppo / console / tiny / elastic.
 """
 
 from __future__ import annotations
