@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cory_lora import faults
+from cory_lora import distributed, faults
 from cory_lora.errors import ENVIRONMENT_ERRNOS, UserError, os_error_message
 from cory_lora.model import Agents
 from cory_lora.outputs import (
@@ -81,9 +81,15 @@ def what_is_left(run_dir: Path) -> str:
 
 def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: int) -> Path:
     """Write checkpoints/iter-NNNNNN/ atomically and drop the oldest beyond `keep`. A full disk
-    (or another file-system failure) raises UserError; the older checkpoints stay intact."""
+    (or another file-system failure) raises UserError; the older checkpoints stay intact.
+    Under torchrun every rank calls it (it gathers every rank's random states); rank 0 writes,
+    and the others wait for it."""
+    rng = state.rng_tensors()
+    if not distributed.is_main():
+        distributed.barrier()
+        return Path(run_dir) / CHECKPOINTS / checkpoint_name(state.iteration)
     try:
-        return _save_checkpoint(Path(run_dir), agents, state, keep)
+        path = _save_checkpoint(Path(run_dir), agents, state, keep, rng)
     except OSError as e:
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise
@@ -99,9 +105,13 @@ def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: in
             )
             + f"; {kept}. Once that is fixed: cory-lora resume {run_dir}"
         ) from None
+    distributed.barrier()
+    return path
 
 
-def _save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: int) -> Path:
+def _save_checkpoint(
+    run_dir: Path, agents: Agents, state: TrainerState, keep: int, rng: dict
+) -> Path:
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(exist_ok=True)
     final = root / checkpoint_name(state.iteration)
@@ -116,7 +126,7 @@ def _save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: i
             torch.save(agent.optimizer.state_dict(), tmp / f"optimizer-{name}.pt")
             if agent.ema is not None:
                 save_file(agent.ema.state_dict(), str(tmp / f"ema-{name}.safetensors"))
-        torch.save(state.rng_tensors(), tmp / "rng.pt")
+        torch.save(rng, tmp / "rng.pt")
         faults.maybe_die("checkpoint")
         record = state.record()
         record["files"] = {
@@ -128,8 +138,9 @@ def _save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: i
     return final
 
 
-def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> None:
-    """Restore `agents` and `state` in place from checkpoint `path` (checksums verified first)."""
+def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> bool:
+    """Restore `agents` and `state` in place from checkpoint `path` (checksums verified first).
+    False when it holds no sampling state for this rank (written by fewer processes)."""
     path = Path(path)
     try:
         record = json.loads((path / "state.json").read_text())
@@ -158,8 +169,9 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> None:
             if not ema.is_file():
                 raise _corrupt(path, ema.name, "missing (the run has reset.every set)")
             agent.ema.load_state_dict(load_file(str(ema)))
-    state.load_rng_tensors(torch.load(path / "rng.pt", weights_only=True))
+    own_sampling = state.load_rng_tensors(torch.load(path / "rng.pt", weights_only=True))
     state.load_record(record)
+    return own_sampling
 
 
 def _sha256(path: Path) -> str:

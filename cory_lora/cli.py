@@ -58,6 +58,8 @@ def user_errors():
     except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
         raise
     except UserError as e:
+        if console.quiet:  # a torchrun rank other than 0: rank 0 says it
+            raise typer.Exit(e.exit_code) from None
         if e.exit_code != 130:
             _error(f"[bold red]error:[/] {escape(str(e))}", e.exit_code)
         text = str(e) if str(e).startswith("stopped") else f"stopped: {e}"
@@ -159,52 +161,105 @@ def resume(
 
 
 def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
+    """Train in this process; under torchrun, in every rank's process (rank 0 checks, prints and
+    writes; the others follow its decision and stay silent)."""
+    from cory_lora import distributed
+
+    distributed.start(config.model.device)  # torchrun: join the other ranks first
+    console.quiet = not distributed.is_main()  # rank 0 speaks for the run (bugs still print)
+    try:
+        distributed.check_batch_split(config.ppo.batch_size)
+        if distributed.is_main():
+            _train_main(config, source, path, overwrite, quiet, resume)
+        else:
+            _train_follower(config, path, resume)
+    finally:
+        distributed.stop()
+
+
+GO, NOTHING_TO_DO, FAILED = 1, 0, -1  # rank 0's word to the other ranks before training
+
+
+def _train_follower(config, path: Path, resume: bool) -> None:
+    from cory_lora import distributed
     from cory_lora.console import Display
+    from cory_lora.outputs import FollowerRunDir
+
+    word = distributed.from_main(GO)
+    if word != GO:
+        raise typer.Exit(0 if word == NOTHING_TO_DO else 1)
+    quiet_libraries()
+    from cory_lora.train import run as train_run
+
+    train_run(config, FollowerRunDir(path, resume), Display(console, quiet=True), resume=resume)
+
+
+def _train_main(config, source, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
+    from cory_lora import distributed
     from cory_lora.outputs import RunDir
     from cory_lora.trackers import check_trackers
 
-    run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks now, before model loading
-    check_trackers(config)  # a named tracker that is not installed: say so before any loading
-    with run_dir.lock():  # this process is the directory's only writer until the run ends
-        warning = None
-        if resume:
-            from cory_lora.resume import check_resume
+    told = False
 
-            check = check_resume(run_dir, config)
-            if check.complete:
-                console.print(
-                    f"{escape(str(path))} already has its {check.done} iterations: nothing to do, "
-                    "nothing changed. Raise train.iterations (--set train.iterations=N) to extend "
-                    "it",
-                    highlight=False,
-                )
-                return
-            warning = check.warning
-        verb = "resuming" if resume else "recipe"
-        console.print(
-            f"[bold]{verb}[/] {escape(source)} -> [bold]{escape(str(path))}[/]", highlight=False
-        )
-        if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
-            console.print(recipe_toml(config), highlight=False, markup=False)
-        if warning:
-            console.print(warning, highlight=False, markup=False)
-        try:
-            quiet_libraries()
-            from cory_lora.train import run as train_run
+    def tell(word: int) -> None:  # the other ranks (if any) wait for this before training
+        nonlocal told
+        if not told:
+            told = True
+            distributed.from_main(word)
 
-            display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
-            train_run(config, run_dir, display, resume=resume)
-        except KeyboardInterrupt:  # before the loop's own handler (model loading), or after it
-            from cory_lora.checkpoint import stopped_message
+    try:
+        run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks before model loading
+        check_trackers(config)  # a named tracker that is not installed: say so before loading
+        with run_dir.lock():  # this process is the directory's only writer until the run ends
+            warning = None
+            if resume:
+                from cory_lora.resume import check_resume
 
-            raise Stopped(stopped_message(path, at_once=False)) from None
-        except OSError as e:  # a full disk or a permission, writing the logs, say
-            if e.errno not in ENVIRONMENT_ERRNOS:
-                raise
-            from cory_lora.checkpoint import what_is_left
+                check = check_resume(run_dir, config)
+                if check.complete:
+                    tell(NOTHING_TO_DO)
+                    console.print(
+                        f"{escape(str(path))} already has its {check.done} iterations: nothing "
+                        "to do, nothing changed. Raise train.iterations (--set "
+                        "train.iterations=N) to extend it",
+                        highlight=False,
+                    )
+                    return
+                warning = check.warning
+            tell(GO)
+            _echo_and_train(config, source, path, run_dir, quiet, resume, warning)
+    finally:
+        tell(FAILED)  # a check failed: the other ranks stop too
 
-            message = f"{os_error_message(e, 'the run stopped')}; {what_is_left(path)}"
-            raise UserError(message) from None
+
+def _echo_and_train(config, source, path, run_dir, quiet, resume, warning) -> None:
+    from cory_lora.console import Display
+
+    verb = "resuming" if resume else "recipe"
+    console.print(
+        f"[bold]{verb}[/] {escape(source)} -> [bold]{escape(str(path))}[/]", highlight=False
+    )
+    if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
+        console.print(recipe_toml(config), highlight=False, markup=False)
+    if warning:
+        console.print(warning, highlight=False, markup=False)
+    try:
+        quiet_libraries()
+        from cory_lora.train import run as train_run
+
+        display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
+        train_run(config, run_dir, display, resume=resume)
+    except KeyboardInterrupt:  # before the loop's own handler (model loading), or after it
+        from cory_lora.checkpoint import stopped_message
+
+        raise Stopped(stopped_message(path, at_once=False)) from None
+    except OSError as e:  # a full disk or a permission, writing the logs, say
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        from cory_lora.checkpoint import what_is_left
+
+        message = f"{os_error_message(e, 'the run stopped')}; {what_is_left(path)}"
+        raise UserError(message) from None
 
 
 def default_output_dir(recipe_path: Path) -> Path:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from cory_lora import distributed
 from cory_lora.config import Recipe
 from cory_lora.data import PromptSet, encode_prompts, format_prompt, render
 from cory_lora.generation import Generation, Stopping, generate
@@ -63,11 +64,13 @@ def exchanges_roles_at(iteration: int, swap_every: int) -> bool:
 def draw_response_length(recipe: Recipe, generator: torch.Generator) -> Recipe:
     """The recipe for one iteration: with generation.length_range = [lo, hi], at most n new
     tokens, n drawn from [lo, hi) once for the whole batch and both roles (the paper's IMDB
-    code); otherwise the recipe itself (nothing is drawn, the generator is untouched)."""
+    code); otherwise the recipe itself (nothing is drawn, the generator is untouched). Under
+    torchrun every rank draws (keeping the generators in step) and rank 0's draw holds."""
     if not recipe.generation.length_range:
         return recipe
     lo, hi = recipe.generation.length_range
     n = int(torch.randint(lo, hi, (1,), generator=generator, device=generator.device))
+    n = distributed.from_main(n)
     return replace(recipe, generation=replace(recipe.generation, max_new_tokens=n))
 
 

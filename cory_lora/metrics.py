@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from cory_lora import distributed
 from cory_lora.cory import Episode
 from cory_lora.state import AgentState
 from cory_lora.update import LOSS_KEYS, Skipped, UpdateStats
@@ -29,12 +30,12 @@ def iteration_metrics(
     eta: float,
 ) -> dict:
     """One JSON object for iteration `iteration` (1-based). Values that are not finite, or do
-    not exist because an update was skipped, are null."""
+    not exist because an update was skipped, are null. Under torchrun: over every rank's
+    episodes."""
     metrics: dict = {"iteration": iteration}
     for name, outcome in outcomes.items():
         rewards = episode.task_reward_of(name)
-        finite = rewards[torch.isfinite(rewards)]
-        task = float(finite.mean()) if len(finite) else None
+        task = finite_or_none(distributed.global_mean(rewards[torch.isfinite(rewards)]))
         update = outcome.metrics()
         kl = update["kl"]
         combined = task - eta * kl if task is not None and kl is not None else None
@@ -45,14 +46,14 @@ def iteration_metrics(
             f"{name}/kl": _finite(kl),
             f"{name}/kl_penalty": _finite(update["kl_penalty"]),
             f"{name}/combined_reward": combined,
-            f"{name}/score": finite_or_none(float(scores[name].mean())),
+            f"{name}/score": finite_or_none(distributed.global_mean(scores[name])),
             f"{name}/kl_coef": update["kl_coef"],
-            f"{name}/response_length": float(generation.response_mask.sum(1).float().mean()),
+            f"{name}/response_length": distributed.global_mean(generation.response_mask.sum(1)),
             f"{name}/update_skipped": update["update_skipped"],
             f"{name}/skipped_updates": agent_states[name].skipped,
         }
         metrics |= {f"{name}/{key}": update[key] for key in LOSS_KEYS}
-    metrics["data/truncated_prompts"] = episode.truncated_prompts
+    metrics["data/truncated_prompts"] = distributed.sum_int(episode.truncated_prompts)
     return metrics
 
 

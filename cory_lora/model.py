@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from cory_lora import distributed
 from cory_lora.config import ModelConfig, Recipe
 from cory_lora.errors import ConfigError, Problem, UserError, first_line
 from cory_lora.generation import Stopping, position_ids
@@ -160,9 +161,16 @@ class Agents:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"model.device = {name!r} but no CUDA GPU is visible to torch")
+    if distributed.launched() and name.startswith("cuda"):
+        if name != "cuda":
+            raise UserError(
+                f"model.device = {name!r} names one GPU, but under torchrun each process takes "
+                "the GPU of its LOCAL_RANK: use auto or cuda (CUDA_VISIBLE_DEVICES picks GPUs)"
+            )
+        return torch.device("cuda", distributed.local_rank())
     try:
         return torch.device(name)
     except RuntimeError:

@@ -486,6 +486,35 @@ class RunDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
+class FollowerRunDir(RunDir):
+    """The run directory as ranks other than 0 see it under torchrun: they read it (a resume's
+    checkpoint) but never write; rank 0's RunDir owns it."""
+
+    def __init__(self, path: Path, resume: bool = False):
+        self.path, self.overwrite, self.resume, self.created = Path(path), False, resume, False
+
+    def open(self) -> RunDir:
+        return self
+
+    def write_config(self, recipe: Recipe) -> None:
+        pass
+
+    def append(self, filename: str, records: list[dict]) -> None:
+        pass
+
+    def remove_partial_writes(self) -> None:
+        pass
+
+    def truncate_logs(self, iterations: int) -> None:
+        pass
+
+    def save_final(self, agents) -> Path:
+        return self.path / "final"
+
+    def discard_if_empty_run(self) -> None:
+        pass
+
+
 def _log_lines(path: Path) -> list[tuple[int | None, str]]:
     """(iteration, line with its newline) per line; iteration None for a line that is not a
     whole JSON record with an integer iteration (cut short by a crash, or damaged)."""

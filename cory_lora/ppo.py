@@ -74,10 +74,18 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """(x - mean) / std over masked positions; with shift_mean=False the mean is added back.
-    Masked-out positions are returned as 0."""
-    mean, var = masked_mean(x, mask), masked_var(x, mask)
+def masked_whiten(
+    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, all_sum=lambda t: t
+) -> torch.Tensor:
+    """(x - mean) / std over masked positions (std Bessel-corrected, as masked_var); with
+    shift_mean=False the mean is added back. Masked-out positions are returned as 0. `all_sum`
+    (a sum over processes) makes the mean and variance those of every process's x together."""
+    n = all_sum(mask.sum())
+    if n < 2:
+        raise ValueError("unbiased variance needs at least two masked-in values")
+    mean = all_sum((x * mask).sum()) / n
+    var = all_sum(((x - mean) ** 2 * mask).sum()) / n
+    var = var * n / (n - 1)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
@@ -253,13 +261,18 @@ class RunningMoments:
 
 
 def normalise_scores(
-    scores: torch.Tensor, moments: RunningMoments | None, subtract_mean: bool, clip: float
+    scores: torch.Tensor,
+    moments: RunningMoments | None,
+    subtract_mean: bool,
+    clip: float,
+    batch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Score scaling as in TRL 0.x: update the running moments, divide by the running std (and
     subtract the running mean when subtract_mean), then clip to [-clip, clip] when clip > 0.
-    scores [B] -> [B]. moments=None skips scaling."""
+    scores [B] -> [B]. moments=None skips scaling. `batch`: the scores the moments learn from
+    when they are more than `scores` (every process's, under data parallelism)."""
     if moments is not None:
-        moments.update(scores)
+        moments.update(scores if batch is None else batch)
         scale = moments.std + torch.finfo(scores.dtype).eps
         scores = (scores - moments.mean) / scale if subtract_mean else scores / scale
     if clip > 0:

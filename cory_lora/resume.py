@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cory_lora import distributed
 from cory_lora.checkpoint import completed, list_checkpoints, load_checkpoint
 from cory_lora.config import Recipe, load_recipe, to_dict
 from cory_lora.errors import UserError
@@ -119,7 +120,13 @@ def restore(run_dir: RunDir, recipe: Recipe, agents: Agents, state: TrainerState
     if noted:
         say(f"resuming with changed settings: {', '.join(noted)}")
     run_dir.remove_partial_writes()
-    load_checkpoint(checkpoints[-1], agents, state)
+    own_sampling = load_checkpoint(checkpoints[-1], agents, state)
+    if distributed.any_rank(not own_sampling):
+        say(
+            f"note: {checkpoints[-1].name} was written by fewer processes than now; the new "
+            "ones sample from fresh (seed, rank) generators (the run goes on, but differs from "
+            "one resumed with the same number of processes)"
+        )
     for agent in state.agents.values():  # the recipe, not the checkpoint, sets the learning rate
         for group in agent.optimizer.param_groups:
             group["lr"] = recipe.ppo.learning_rate

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cory_lora import ppo
+from cory_lora import distributed, ppo
 from cory_lora.config import PPOConfig, Recipe
 from cory_lora.data import PromptOrder
 from cory_lora.elastic import AdapterEMA
@@ -81,7 +81,7 @@ class TrainerState:
             iteration=0,
             order=PromptOrder(n_prompts, seed),
             agents={name: new_agent_state(agents, name, recipe) for name in agents.names},
-            sampling_rng=torch.Generator(agents.device).manual_seed(seed),
+            sampling_rng=torch.Generator(agents.device).manual_seed(sampling_seed(seed)),
             minibatch_rng=torch.Generator().manual_seed(seed + 1),
         )
 
@@ -128,7 +128,9 @@ class TrainerState:
         self.iteration = record["iteration"]
 
     def rng_tensors(self) -> dict[str, torch.Tensor]:
-        """The torch generators' states: sampling, minibatch order, global CPU (and CUDA)."""
+        """The torch generators' states: sampling, minibatch order, global CPU (and CUDA).
+        Under torchrun, every rank's (a collective: every rank calls it); rank 0's keep the
+        names of a single process, rank r's end in `@r`."""
         rng = {
             "sampling": self.sampling_rng.get_state(),
             "minibatch": self.minibatch_rng.get_state(),
@@ -136,11 +138,29 @@ class TrainerState:
         }
         if torch.cuda.is_available():
             rng["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+        ranks = distributed.gather_objects(rng)
+        for r, theirs in enumerate(ranks[1:], start=1):
+            rng |= {f"{key}@{r}": value for key, value in theirs.items() if key != "minibatch"}
         return rng
 
-    def load_rng_tensors(self, rng: dict[str, torch.Tensor]) -> None:
-        self.sampling_rng.set_state(rng["sampling"])
-        self.minibatch_rng.set_state(rng["minibatch"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(rng["cuda"]))
+    def load_rng_tensors(self, rng: dict[str, torch.Tensor]) -> bool:
+        """Restore this rank's generators; False when the checkpoint has none for this rank
+        (it was written by fewer processes: this rank keeps its fresh (seed, rank) sampling)."""
+        r = distributed.rank()
+        mine = {key.removesuffix(f"@{r}"): v for key, v in rng.items() if key.endswith(f"@{r}")}
+        if r == 0:
+            mine = {key: v for key, v in rng.items() if "@" not in key}
+        self.minibatch_rng.set_state(rng["minibatch"])  # the same on every rank
+        if "sampling" not in mine:
+            return False
+        self.sampling_rng.set_state(mine["sampling"])
+        torch.set_rng_state(mine["torch"])
+        if "cuda" in mine and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(mine["cuda"]))
+        return True
+
+
+def sampling_seed(seed: int) -> int:
+    """The sampling generator's seed: the run's seed in one process; (seed, rank) under torchrun,
+    so ranks sample differently (seed < 2^32, so seed + rank * 2^32 never collides)."""
+    return seed + distributed.rank() * 2**32

@@ -20,6 +20,10 @@ One iteration (the numbered steps of `train_iteration`):
 
 The maths lives in ppo.py, one agent's step in update.py, the episode in cory.py.
 
+Under torchrun (distributed.py) every rank runs this same loop on its share of each batch;
+the updates, statistics and decisions are global, and rank 0 alone writes (the other ranks' run
+directory is an `outputs.FollowerRunDir`).
+
 Nothing is lost: checkpoints are atomic and hold every state the future depends on, so a run
 killed at any moment resumes (resume.py) to bit-identical adapters on CPU; the first Ctrl-C
 finishes the iteration and checkpoints, the second stops at once (interrupts.py).
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cory_lora import distributed
 from cory_lora.checkpoint import list_checkpoints, save_checkpoint
 from cory_lora.config import Recipe
 from cory_lora.console import Display
@@ -87,18 +92,20 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
                 train_iteration(setup, state)
                 # 6. Checkpoint when due, at the end, or when Ctrl-C asked to stop.
                 done = state.iteration == recipe.train.iterations
-                if done or stop.requested or state.iteration % recipe.train.checkpoint_every == 0:
+                stopping = distributed.any_rank(stop.requested)  # all ranks stop together
+                if done or stopping or state.iteration % recipe.train.checkpoint_every == 0:
                     checkpoint = save_checkpoint(
                         run_dir.path, setup.agents, state, recipe.train.keep_checkpoints
                     )
-                if stop.requested:
+                if stopping:
                     raise Interrupted(
                         f"stopped after iteration {state.iteration}; checkpoint {checkpoint}. "
                         f"Resume with: cory-lora resume {run_dir.path}"
                     )
         display.stop()
         run_dir.save_final(setup.agents)
-        plot_runs([run_dir.path], run_dir.path / "curves.png")
+        if distributed.is_main():
+            plot_runs([run_dir.path], run_dir.path / "curves.png")
         setup.trackers.close()
     except BaseException as e:
         setup.trackers.close()  # before a failed run's directory is removed
@@ -107,6 +114,8 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
         if isinstance(e, torch.OutOfMemoryError):
             raise UserError(out_of_memory_message(run_dir)) from None
         raise
+    if not distributed.is_main():
+        return []
     history = read_jsonl(run_dir.path / "metrics.jsonl")
     display.summary(history, setup.agents.names, run_dir.path)
     return history
@@ -140,7 +149,11 @@ def prepare(
             "(--set train.iterations=N) to extend it"
         )
     stopping = agents.stopping(recipe.generation.stop)
-    trackers = open_trackers(recipe, run_dir.path, resume=resume, done=state.iteration)
+    trackers = (
+        open_trackers(recipe, run_dir.path, resume=resume, done=state.iteration)
+        if distributed.is_main()
+        else Trackers({})
+    )
     evaluator = Evaluator(recipe, agents, reward, held_out, ks=(1,), n=1) if held_out else None
     setup = Setup(recipe, agents, prompts, reward, stopping, run_dir, display, trackers, evaluator)
     return setup, state
@@ -169,7 +182,7 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
         for agent in state.agents.values():
             agent.restart(recipe.ppo)
     # 2. Rollout: the pioneer answers, then the observer answers after reading it; both scored.
-    batch = setup.prompts.take(state.order.next(recipe.ppo.batch_size))
+    batch = setup.prompts.take(distributed.my_share(state.order.next(recipe.ppo.batch_size)))
     this_iteration = draw_response_length(recipe, state.sampling_rng)
     episode = play_episode(
         agents, roles, batch, this_iteration, setup.reward, setup.stopping, state.sampling_rng
@@ -202,7 +215,7 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     )
     metrics["time/generation_s"] = generated - started
     metrics["time/iteration_s"] = time.perf_counter() - started
-    if setup.evaluator and eval_due(recipe, state.iteration):
+    if setup.evaluator and eval_due(recipe, state.iteration) and distributed.is_main():
         metrics |= evaluate_agents(setup, state.iteration)
     setup.run_dir.append("metrics.jsonl", [metrics])
     records = samples(state.iteration, episode, recipe.log.samples_per_iteration)

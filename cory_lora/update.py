@@ -5,6 +5,11 @@ optimizer, and move its KL coefficient. `train_agent` is the whole step, behind 
 Everything an agent learns with stays with its adapter name (`state.AgentState`), so a role
 exchange moves nothing: the optimizer moments, KL coefficient and score statistics follow the
 adapter.
+
+Under torchrun each rank holds its share of the episodes (distributed.py): the score moments,
+advantage whitening, token counts, KL and every statistic returned are global, the gradients are
+summed across ranks, and every decision (skip or not) is taken by all ranks together, so the
+agents stay identical everywhere.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cory_lora import faults, ppo
+from cory_lora import distributed, faults, ppo
 from cory_lora.config import PPOConfig, Recipe
 from cory_lora.generation import Generation
 from cory_lora.model import Agents
@@ -121,16 +126,17 @@ def _update_or_skip(
     agents, name, state, generation, scores, reward_problem, cfg, temperature, generator
 ):
     kl_coef = state.kl_ctl.value
-    if reward_problem is not None:
-        return Skipped(reward_problem, None, None, kl_coef)
+    if distributed.any_rank(reward_problem is not None):
+        return Skipped(reward_problem or "NaN/inf rewards on another process", None, None, kl_coef)
     rollout = make_rollout(agents, name, generation, scores, state, cfg, temperature)
-    kl = float(rollout.sequence_kl.mean())
+    kl = distributed.all_mean(float(rollout.sequence_kl.mean()))
     # The controller follows the KL the penalty uses (k1, k3 or full), summed per episode, as
     # TRL 0.x's does; `kl` (always k1) is what we report, so runs compare whatever the penalty.
-    kl_penalty = float(rollout.kl.sum(1).mean())
+    kl_penalty = distributed.all_mean(float(rollout.kl.sum(1).mean()))
     problem = first_non_finite(rollout)
-    if problem:
-        return Skipped(f"non-finite {problem}", kl, kl_penalty, kl_coef)
+    if distributed.any_rank(problem is not None):
+        where = problem or "rollout on another process"
+        return Skipped(f"non-finite {where}", kl, kl_penalty, kl_coef)
     params = agents.trainable_parameters(name)
     saved_params = [p.detach().clone() for p in params]
     saved_optimizer = copy.deepcopy(state.optimizer.state_dict())
@@ -142,10 +148,17 @@ def _update_or_skip(
                 p.copy_(saved)
         state.optimizer.load_state_dict(saved_optimizer)
         return Skipped(str(e), kl, kl_penalty, kl_coef)
-    state.kl_ctl.update(kl_penalty, len(scores))
+    state.kl_ctl.update(kl_penalty, len(scores) * distributed.world_size())
     if state.ema is not None:
         state.ema.update()
     return UpdateStats(kl, kl_penalty, kl_coef, **losses)
+
+
+def _my_rows(global_rows: torch.Tensor, rows_here: int) -> torch.Tensor:
+    """The rows of a minibatch (global indices) that this rank holds, as its local indices;
+    rank r holds global rows [r * rows_here, (r + 1) * rows_here)."""
+    local = global_rows - distributed.rank() * rows_here
+    return local[(local >= 0) & (local < rows_here)]
 
 
 class NonFiniteUpdate(Exception):
@@ -236,13 +249,14 @@ def make_rollout(
     )
     values = values * mask
     moments = state.score_moments if cfg.score_scaling else None
+    raw_scores = raw_scores.to(mask.device)
     scores = ppo.normalise_scores(
-        raw_scores.to(mask.device), moments, cfg.score_norm, cfg.score_clip
+        raw_scores, moments, cfg.score_norm, cfg.score_clip, batch=distributed.gather(raw_scores)
     )
     rewards = ppo.token_rewards(scores, kl, state.kl_ctl.value, mask)
     advantages, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
-        advantages = ppo.masked_whiten(advantages, mask)
+        advantages = ppo.masked_whiten(advantages, mask, all_sum=distributed.all_sum)
     return Rollout(
         input_ids,
         attention_mask,
@@ -268,9 +282,14 @@ def ppo_update(
     generator: torch.Generator,
 ) -> dict[str, float]:
     """cfg.epochs passes over the rollout in shuffled minibatches; one optimizer step each.
-    Returns the mean losses and diagnostics (LOSS_KEYS); raises NonFiniteUpdate on NaN/inf."""
+    Returns the mean losses and diagnostics (LOSS_KEYS); raises NonFiniteUpdate on NaN/inf.
+
+    Under torchrun every rank draws the same permutation of the global batch, and each rank
+    works on the rows of each minibatch it holds (`_my_rows`), so a minibatch holds the same
+    episodes whatever the number of ranks."""
     params = agents.trainable_parameters(name)
     T = rollout.response_ids.shape[1]
+    rows_here = len(rollout.input_ids)
     # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
     keys = ("policy", "value", "clipped", "approx_kl", "entropy", "grad_norm", "tokens", "skips")
     sums = {k: torch.zeros((), device=rollout.mask.device) for k in keys}
@@ -279,9 +298,10 @@ def ppo_update(
     try:
         with agents.use(name):
             for _ in range(cfg.epochs):
-                order = torch.randperm(len(rollout.input_ids), generator=generator)
+                order = torch.randperm(rows_here * distributed.world_size(), generator=generator)
                 for minibatch in order.split(cfg.minibatch_size):
-                    n_tokens = rollout.mask[minibatch].sum().clamp(min=1)
+                    minibatch = _my_rows(minibatch, rows_here)
+                    n_tokens = distributed.all_sum(rollout.mask[minibatch].sum()).clamp(min=1)
                     state.optimizer.zero_grad(set_to_none=True)
                     for rows in minibatch.split(cfg.micro_batch_size):
                         rows = rows.to(rollout.mask.device)
@@ -326,6 +346,7 @@ def ppo_update(
                             sums["value"] += vf.detach()
                             sums["clipped"] += pg.clipped_tokens
                             sums["approx_kl"] += pg.approx_kl_sum
+                    distributed.sum_gradients(params)
                     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
                     if not torch.isfinite(norm):  # one sync per optimizer step
@@ -338,6 +359,10 @@ def ppo_update(
     finally:
         agents.model.eval()
         state.optimizer.zero_grad(set_to_none=True)  # frees gradient memory before generation
+    # Global totals: the token count and the gradient norm are the same on every rank already.
+    local = ("policy", "value", "clipped", "approx_kl", "entropy", "skips")
+    sums |= {k: distributed.all_sum(sums[k]) for k in local}
+    micro_batches = distributed.sum_int(micro_batches)
     totals = {k: float(v) for k, v in sums.items()}
     return {
         "policy_loss": totals["policy"] / steps,

@@ -15,6 +15,7 @@ from .helpers import ROOT
 
 LAYERS = [
     {"errors", "faults", "ppo", "console", "tiny", "elastic"},
+    {"distributed"},
     {"config"},
     {"outputs", "data", "generation", "rewards"},
     {"model"},

@@ -1,0 +1,153 @@
+"""Data parallelism with torchrun, on CPU with the gloo backend and 2 processes: the 2-rank update
+equals the 1-rank update on the whole batch, a 2-rank run survives a kill of one rank and
+resumes, and a batch that does not split across the ranks is refused before training."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cory_lora import distributed
+from cory_lora.errors import UserError
+
+from .conftest import tiny_recipe_dict
+from .helpers import ROOT, read_jsonl, write_recipe
+
+TORCHRUN = shutil.which("torchrun") or "torchrun"
+
+
+def torchrun(*args, processes: int = 2, kill_at: str | None = None, timeout: int = 600):
+    """`torchrun --nproc-per-node K ...` as a real process group (the CLI as users launch it)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("CORY_LORA_KILL_AT", None)
+    if kill_at:
+        env["CORY_LORA_KILL_AT"] = kill_at
+    command = [
+        TORCHRUN,
+        "--standalone",  # a free port of its own: tests never collide
+        f"--nproc-per-node={processes}",
+        *map(str, args),
+    ]
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_shares_and_batch_split_in_one_process():
+    assert distributed.world_size() == 1 and distributed.is_main()
+    assert distributed.my_share([1, 2, 3]) == [1, 2, 3]
+    distributed.check_batch_split(8, processes=2)
+    with pytest.raises(UserError, match=r"ppo.batch_size = 9 does not split across 2 processes"):
+        distributed.check_batch_split(9, processes=2)
+
+
+@pytest.fixture(scope="module")
+def one_rank_update(tmp_path_factory, tiny_model_dir, arith_file):
+    out = tmp_path_factory.mktemp("update") / "one.pt"
+    script = ROOT / "tests" / "distributed_update.py"
+    result = subprocess.run(
+        [sys.executable, script, tiny_model_dir, arith_file, out],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_two_rank_update_equals_one_rank_update(
+    one_rank_update, tmp_path, tiny_model_dir, arith_file
+):
+    """Given the same 8 episodes, 2 ranks x 4 take the same two updates as 1 rank x 8: adapters
+    and value head to 1e-5, and every statistic (losses, KL, the adaptive KL coefficient moved
+    by the global KL, score moments through the next iteration's scaling)."""
+    out = tmp_path / "two.pt"
+    result = torchrun(ROOT / "tests" / "distributed_update.py", tiny_model_dir, arith_file, out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = torch.load(out)
+    one = one_rank_update
+    assert two["trainable"].keys() == one["trainable"].keys()
+    for name, tensor in one["trainable"].items():
+        assert torch.allclose(two["trainable"][name], tensor, atol=1e-5, rtol=0), name
+        assert not torch.equal(tensor, torch.zeros_like(tensor)) or "lora_B" not in name
+    # every rank holds the same agent
+    rank0, rank1 = two["ranks"]
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    for a, b in zip(one["stats"], two["stats"], strict=True):
+        for key, value in a.items():
+            assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert one["stats"][1]["kl_coef"] != one["stats"][0]["kl_coef"]  # the controller moved
+
+
+def _recipe(tmp_path, tiny_model_dir, arith_file, **train):
+    return write_recipe(
+        tmp_path / "recipe.toml",
+        tiny_recipe_dict(
+            tiny_model_dir,
+            arith_file,
+            model={"load_in_4bit": True},
+            train={"iterations": 6, "checkpoint_every": 2, **train},
+        ),
+    )
+
+
+def _adapters(run_dir):
+    return {
+        f"{agent}/{file}": load_file(run_dir / "final" / agent / file)
+        for agent in ("llm1", "llm2")
+        for file in ("adapter_model.safetensors", "value_head.safetensors")
+    }
+
+
+def test_two_rank_run_killed_then_resumed_equals_an_uninterrupted_one(
+    tmp_path, tiny_model_dir, arith_file
+):
+    recipe = _recipe(tmp_path, tiny_model_dir, arith_file)
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    result = torchrun("-m", "cory_lora", "run", recipe, "--output-dir", whole, "--quiet")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("iteration 6/6") == 1  # rank 0 alone speaks
+    # rank 1 dies after its 11th optimizer step: in iteration 3 (2 agents x 2 steps each)
+    killed = torchrun(
+        "-m", "cory_lora", "run", recipe, "--output-dir", broken, "--quiet", kill_at="update:11@1"
+    )
+    assert killed.returncode != 0
+    assert [m["iteration"] for m in read_jsonl(broken / "metrics.jsonl")] == [1, 2]
+    resumed = torchrun("-m", "cory_lora", "resume", broken, "--quiet")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from iter-000002" in resumed.stdout
+    metrics = read_jsonl(broken / "metrics.jsonl")
+    assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+
+    def untimed(rows):
+        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in rows]
+
+    assert untimed(metrics) == untimed(read_jsonl(whole / "metrics.jsonl"))
+    a, b = _adapters(whole), _adapters(broken)
+    for key in a:
+        assert all(torch.equal(a[key][n], b[key][n]) for n in a[key]), key
+
+
+def test_a_batch_that_does_not_split_is_refused_before_training(
+    tmp_path, tiny_model_dir, arith_file
+):
+    recipe = write_recipe(
+        tmp_path / "recipe.toml",
+        tiny_recipe_dict(
+            tiny_model_dir,
+            arith_file,
+            ppo={"batch_size": 9, "minibatch_size": 3, "micro_batch_size": 3},
+        ),
+    )
+    out = tmp_path / "run"
+    result = torchrun("-m", "cory_lora", "run", recipe, "--output-dir", out, "--quiet")
+    assert result.returncode != 0
+    message = "ppo.batch_size = 9 does not split across 2 processes"
+    assert (result.stdout + result.stderr).count(message) == 1  # said once, by rank 0
+    assert not out.exists()
