@@ -80,6 +80,13 @@ def my_share(items: list) -> list:
     return items[rank() * share : (rank() + 1) * share]
 
 
+def cli(args: str) -> str:
+    """The command line that runs `cory-lora ARGS` with this run's number of processes."""
+    if world_size() == 1:
+        return f"cory-lora {args}"
+    return f"torchrun --nproc-per-node {world_size()} -m cory_lora {args}"
+
+
 def all_sum(tensor: torch.Tensor) -> torch.Tensor:
     """The sum over ranks (a new tensor; the same tensor in one process)."""
     if world_size() == 1:

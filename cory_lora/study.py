@@ -9,6 +9,7 @@ A study file (TOML):
     window = 50                              # final window of the report, in iterations
     etas = [0.03, 0.1, 0.3]                  # frontier: each arm's best point under task - η·KL
     eval_limit = 100                         # > 0: held-out `cory-lora eval` of each run
+    processes = 1                            # > 1: each run under torchrun, that many ranks
 
     [grid]                                   # optional, crossed with every arm
     "ppo.init_kl_coef" = [0.03, 0.1, 0.3]
@@ -40,10 +41,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cory_lora.config import SECTIONS, load_recipe
+from cory_lora.distributed import check_batch_split
 from cory_lora.errors import ConfigError, Problem, UserError
 from cory_lora.outputs import atomic_write_text, read_jsonl, toml_value
 
-STUDY_KEYS = ("recipe", "seeds", "set", "window", "etas", "eval_limit", "grid", "arms")
+STUDY_KEYS = (
+    "recipe",
+    "seeds",
+    "set",
+    "window",
+    "etas",
+    "eval_limit",
+    "processes",
+    "grid",
+    "arms",
+)
 STATE_FILE = "study.json"
 
 
@@ -78,6 +90,7 @@ class Study:
     window: int
     etas: tuple[float, ...]
     eval_limit: int
+    processes: int = 1  # ranks per run (torchrun --nproc-per-node)
     grid: dict = field(default_factory=dict)  # dotted key -> list of values
     arms: dict = field(default_factory=dict)  # name -> partial recipe (section -> key -> value)
 
@@ -155,6 +168,7 @@ def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study
         [],
     )
     eval_limit = check("eval_limit", lambda v: is_int(v) and v >= 0, "an integer >= 0", 0)
+    processes = check("processes", lambda v: is_int(v) and v >= 1, "an integer >= 1", 1)
     grid = check(
         "grid",
         lambda v: (
@@ -194,6 +208,7 @@ def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study
         window=window,
         etas=tuple(float(e) for e in etas),
         eval_limit=eval_limit,
+        processes=processes,
         grid=grid,
         arms=arms,
     )
@@ -203,6 +218,11 @@ def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study
             recipe_of_run = load_recipe(base, run.overrides)
         except ConfigError as e:
             problems += [Problem(p.keys, f"{run.id}: {p.text}") for p in e.problems]
+            continue
+        try:
+            check_batch_split(recipe_of_run.ppo.batch_size, processes)
+        except UserError as e:
+            problems.append(Problem(("processes", "ppo.batch_size"), f"{run.id}: {e}"))
             continue
         runs.append(Run(run.arm, run.grid, run.seed, run.overrides, recipe_of_run.train.iterations))
     if problems:
@@ -222,7 +242,11 @@ def run_state(run_dir: Path) -> str:
     return "fresh"
 
 
-def cli_command(*args) -> list[str]:
+def cli_command(*args, processes: int = 1) -> list[str]:
+    """`cory-lora ARGS` as a process, under torchrun when `processes` > 1."""
+    if processes > 1:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+        return [sys.executable, *launcher, "-m", "cory_lora", *map(str, args)]
     return [sys.executable, "-m", "cory_lora.cli", *map(str, args)]
 
 
@@ -276,11 +300,17 @@ class StudyRunner:
         out = self.dir / run.relative_dir
         state = run_state(out)
         if state == "resume":
-            command = cli_command("resume", out, "--quiet")
+            command = cli_command("resume", out, "--quiet", processes=self.study.processes)
         else:  # never started, or died before its first checkpoint: start it again
             out.parent.mkdir(parents=True, exist_ok=True)
             command = cli_command(
-                "run", self.study.recipe, *_sets(run.overrides), "--output-dir", out, "--quiet"
+                "run",
+                self.study.recipe,
+                *_sets(run.overrides),
+                "--output-dir",
+                out,
+                "--quiet",
+                processes=self.study.processes,
             )
             if out.exists():
                 command.append("--overwrite")

@@ -100,7 +100,7 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
                 if stopping:
                     raise Interrupted(
                         f"stopped after iteration {state.iteration}; checkpoint {checkpoint}. "
-                        f"Resume with: cory-lora resume {run_dir.path}"
+                        f"Resume with: {distributed.cli(f'resume {run_dir.path}')}"
                     )
         display.stop()
         run_dir.save_final(setup.agents)

@@ -17,7 +17,7 @@ from cory_lora import distributed
 from cory_lora.errors import UserError
 
 from .conftest import tiny_recipe_dict
-from .helpers import ROOT, read_jsonl, write_recipe
+from .helpers import ROOT, invoke, read_jsonl, write_recipe
 
 TORCHRUN = shutil.which("torchrun") or "torchrun"
 
@@ -151,3 +151,29 @@ def test_a_batch_that_does_not_split_is_refused_before_training(
     message = "ppo.batch_size = 9 does not split across 2 processes"
     assert (result.stdout + result.stderr).count(message) == 1  # said once, by rank 0
     assert not out.exists()
+
+
+def test_a_study_runs_each_run_under_torchrun(tmp_path, tiny_model_dir, arith_file):
+    recipe = write_recipe(
+        tmp_path / "base.toml",
+        tiny_recipe_dict(tiny_model_dir, arith_file, train={"iterations": 2}),
+    )
+    study = tmp_path / "study.toml"
+    study.write_text(
+        f'recipe = "{recipe.name}"\nseeds = [0]\nwindow = 1\nprocesses = 2\n'
+        '[arms.cory]\ntrain = { algorithm = "cory" }\n'
+    )
+    result = invoke("study", study, "--output-dir", tmp_path / "s")
+    assert result.exit_code == 0, result.output
+    log = (tmp_path / "s" / "logs" / "cory__seed-0.log").read_text()
+    assert "--nproc-per-node=2" in log.splitlines()[0]
+    assert [m["iteration"] for m in read_jsonl(tmp_path / "s/cory/seed-0/metrics.jsonl")] == [1, 2]
+    # a batch that does not split across the ranks is refused when the study is read
+    study.write_text(
+        study.read_text() + "ppo = { batch_size = 9, minibatch_size = 3, micro_batch_size = 3 }\n"
+    )
+    refused = invoke("study", study, "--output-dir", tmp_path / "s2")
+    assert refused.exit_code == 2
+    assert "cory/seed-0: ppo.batch_size = 9 does not split across 2 processes" in " ".join(
+        refused.output.split()
+    )
