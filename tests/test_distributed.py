@@ -177,3 +177,16 @@ def test_a_study_runs_each_run_under_torchrun(tmp_path, tiny_model_dir, arith_fi
     assert "cory/seed-0: ppo.batch_size = 9 does not split across 2 processes" in " ".join(
         refused.output.split()
     )
+
+
+def test_under_torchrun_each_rank_takes_the_gpu_of_its_local_rank(monkeypatch):
+    from cory_lora.model import resolve_device
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(UserError, match="'cuda:0' names one GPU, but under torchrun"):
+        resolve_device("cuda:0")
