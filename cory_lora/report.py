@@ -232,12 +232,15 @@ def plot_frontier(report: dict, out: Path) -> None:
                 xytext=(5, 5),
                 fontsize=8,
             )
+        etas_of: dict[str, list[float]] = {}  # one label per point, whatever η chose it
         for b in report["best"][part]:
-            p = next(q for q in report["points"] if q["label"] == b["label"])
+            etas_of.setdefault(b["label"], []).append(b["eta"])
+        for label, etas in etas_of.items():
+            p = next(q for q in report["points"] if q["label"] == label)
             x, y = p[part]["kl"]["mean"], p[part]["task_reward"]["mean"]
             ax.scatter([x], [y], s=220, facecolors="none", edgecolors="black", linewidths=1)
             ax.annotate(
-                f"best η={b['eta']:g}",
+                f"best η={', '.join(f'{e:g}' for e in etas)}",
                 (x, y),
                 textcoords="offset points",
                 xytext=(5, -12),
