@@ -310,8 +310,23 @@ class CoryConfig:
     )
     observer_template: str = _opt(
         "{query}{pioneer}\n{query}",
-        "Observer prompt over `{query}` (the query) and `{pioneer}` (the pioneer's response); "
-        "it then goes through data.prompt_template's formatting rules.",
+        "Observer prompt over `{query}` (the query), `{pioneer}` (the answer just before this "
+        "agent's: the pioneer's with 2 agents) and `{answers}` (every earlier answer, in order, "
+        "joined by answer_separator); it then goes through data.prompt_template's rules.",
+    )
+    agents: int = _opt(
+        2,
+        "Agents in the chain (N): position 1 answers the query, position k answers after reading "
+        "the earlier answers; the order rotates by one every swap_every iterations, so every "
+        "agent plays every position (N = 2: the roles are exchanged).",
+        ge=2,
+    )
+    answer_separator: str = _opt("\n", "Joins the earlier answers in `{answers}`.")
+    others: str = _opt(
+        "sum",
+        "How the other agents' task rewards enter a score: `sum` (the collective reward: the "
+        "team's total) or `mean` (their average); the same for 2 agents.",
+        choices=("sum", "mean"),
     )
 
 
@@ -400,7 +415,8 @@ class Recipe:
     @property
     def agents(self) -> tuple[str, ...]:
         """Adapter names this recipe trains."""
-        return ("llm1", "llm2") if self.train.algorithm == "cory" else ("llm1",)
+        n = self.cory.agents if self.train.algorithm == "cory" else 1
+        return tuple(f"llm{k}" for k in range(1, n + 1))
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
@@ -649,7 +665,7 @@ def _cross_checks(r: Recipe) -> list[Problem]:
         problem("lora.target_modules", "lora.target_modules: must name at least one module")
     for key, template, allowed in (
         ("data.prompt_template", r.data.prompt_template, None),
-        ("cory.observer_template", r.cory.observer_template, {"query", "pioneer"}),
+        ("cory.observer_template", r.cory.observer_template, {"query", "pioneer", "answers"}),
     ):
         names = template_fields(template)
         if names is None:
@@ -660,11 +676,13 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             problem(key, f"{key} = {_show(template)}: {format_problem}")
         elif allowed and not names <= allowed:
             unknown = ", ".join(sorted(names - allowed))
-            problem(key, f"{key}: unknown placeholder(s) {unknown} (known: query, pioneer)")
-        elif allowed and "pioneer" not in names and r.train.algorithm == "cory":
+            known = "query, pioneer, answers"
+            problem(key, f"{key}: unknown placeholder(s) {unknown} (known: {known})")
+        elif allowed and not names & {"pioneer", "answers"} and r.train.algorithm == "cory":
             problem(
                 f"{key} train.algorithm",
-                f"{key} must contain {{pioneer}}: the observer reads that answer",
+                f"{key} must contain {{pioneer}} or {{answers}}: the observer reads the answers "
+                "before its own",
             )
     trackers = ("tensorboard", "wandb", "trackio", "mlflow")
     unknown_trackers = [t for t in r.log.report_to if t not in trackers]
@@ -708,7 +726,8 @@ def _cross_checks(r: Recipe) -> list[Problem]:
 
 def _format_problem(template: str) -> str | None:
     """Conversions and format specs a str.format template would fail on. Specs are checked
-    against text for {query} and {pioneer}; other columns may be numbers (checked on the data)."""
+    against text for {query}, {pioneer} and {answers}; other columns may be numbers (checked on
+    the data)."""
     for _, name, spec, conversion in string.Formatter().parse(template):
         if name is None:
             continue
@@ -716,7 +735,7 @@ def _format_problem(template: str) -> str | None:
             return f"{{{name}!{conversion}}}: unknown conversion (!r, !s and !a exist)"
         if "{" in spec:
             return f"{{{name}:{spec}}}: placeholders inside a format spec are not supported"
-        if name in ("query", "pioneer"):
+        if name in ("query", "pioneer", "answers"):
             try:
                 format("", spec)
             except ValueError as e:

@@ -192,7 +192,7 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     )
     generated = time.perf_counter()
     # 3. Scores: own and (in CORY) the other's task reward.
-    scores = episode.scores(recipe.cory.self_coef, recipe.cory.other_coef)
+    scores = episode.scores(recipe.cory.self_coef, recipe.cory.other_coef, recipe.cory.others)
     # 4. Each agent learns on its own: rollout scoring, PPO epochs, then its KL coefficient.
     outcomes = {
         name: train_agent(
