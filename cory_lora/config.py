@@ -156,6 +156,13 @@ class GenerationConfig:
     batch_size: int = _opt(
         64, "Prompts per generation micro-batch: bounds the KV-cache memory.", gt=0
     )
+    samples_per_query: int = _opt(
+        1,
+        "Answers sampled per query in training (G): each is an episode; with CORY each pioneer "
+        "answer gets its own observer answer. The critic-free advantages (ppo.advantage) need "
+        ">= 2.",
+        gt=0,
+    )
     length_range: tuple[int, ...] = _opt(
         (),
         "[lo, hi]: each iteration draws one response length n from [lo, hi) for the whole batch "
@@ -215,7 +222,12 @@ class PPOConfig:
     batch_size: int = _opt(
         64, "Queries per iteration (each agent gets one episode per query).", gt=0
     )
-    minibatch_size: int = _opt(16, "Episodes per optimizer step; must divide batch_size.", gt=0)
+    minibatch_size: int = _opt(
+        16,
+        "Episodes per optimizer step; must divide the episodes of an iteration, batch_size x "
+        "generation.samples_per_query.",
+        gt=0,
+    )
     micro_batch_size: int = _opt(
         8,
         "Episodes per forward/backward pass (gradient accumulation up to minibatch_size); "
@@ -247,7 +259,22 @@ class PPOConfig:
         False, "With score_scaling: also subtract the running mean (full normalisation)."
     )
     score_clip: float = _opt(0.0, "Clip scores (after scaling) to [-c, c]; 0 disables.", ge=0)
-    whiten_advantages: bool = _opt(True, "Whiten advantages over each batch.")
+    whiten_advantages: bool = _opt(True, "Whiten GAE advantages over each batch (gae only).")
+    advantage: str = _opt(
+        "gae",
+        "`gae`: PPO with a value head per agent (TRL 0.x); critic-free, over the "
+        "generation.samples_per_query answers to each query (no value head is created): `rloo` "
+        "(score minus the mean of the other answers' scores) or `grpo` (minus the group mean, "
+        "divided by the group's std + 1e-4).",
+        choices=("gae", "rloo", "grpo"),
+    )
+    kl_in: str = _opt(
+        "reward",
+        "Where the KL to the reference enters: `reward` (a penalty on the reward, as PPO and RLOO; "
+        "critic-free: beta x the episode's summed KL subtracted from its score) or `loss` (beta x "
+        "the k3 per-token KL added to the policy loss, as GRPO; rloo/grpo only).",
+        choices=("reward", "loss"),
+    )
     ratio_threshold: float = _opt(
         10.0,
         "Skip a micro-batch's loss (zero it) when its mean policy ratio exceeds this (TRL 0.x's "
@@ -283,8 +310,23 @@ class CoryConfig:
     )
     observer_template: str = _opt(
         "{query}{pioneer}\n{query}",
-        "Observer prompt over `{query}` (the query) and `{pioneer}` (the pioneer's response); "
-        "it then goes through data.prompt_template's formatting rules.",
+        "Observer prompt over `{query}` (the query), `{pioneer}` (the answer just before this "
+        "agent's: the pioneer's with 2 agents) and `{answers}` (every earlier answer, in order, "
+        "joined by answer_separator); it then goes through data.prompt_template's rules.",
+    )
+    agents: int = _opt(
+        2,
+        "Agents in the chain (N): position 1 answers the query, position k answers after reading "
+        "the earlier answers; the order rotates by one every swap_every iterations, so every "
+        "agent plays every position (N = 2: the roles are exchanged).",
+        ge=2,
+    )
+    answer_separator: str = _opt("\n", "Joins the earlier answers in `{answers}`.")
+    others: str = _opt(
+        "sum",
+        "How the other agents' task rewards enter a score: `sum` (the collective reward: the "
+        "team's total) or `mean` (their average); the same for 2 agents.",
+        choices=("sum", "mean"),
     )
 
 
@@ -373,7 +415,8 @@ class Recipe:
     @property
     def agents(self) -> tuple[str, ...]:
         """Adapter names this recipe trains."""
-        return ("llm1", "llm2") if self.train.algorithm == "cory" else ("llm1",)
+        n = self.cory.agents if self.train.algorithm == "cory" else 1
+        return tuple(f"llm{k}" for k in range(1, n + 1))
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
@@ -547,11 +590,26 @@ def _cross_checks(r: Recipe) -> list[Problem]:
     def problem(keys: str, text: str) -> None:
         problems.append(Problem(tuple(keys.split()), text))
 
-    p = r.ppo
-    if p.batch_size % p.minibatch_size:
+    p, g = r.ppo, r.generation
+    episodes = p.batch_size * g.samples_per_query
+    if episodes % p.minibatch_size:
+        per_query = f" x generation.samples_per_query = {g.samples_per_query}"
         problem(
             "ppo.minibatch_size ppo.batch_size",
-            f"ppo.minibatch_size = {p.minibatch_size} must divide ppo.batch_size = {p.batch_size}",
+            f"ppo.minibatch_size = {p.minibatch_size} must divide ppo.batch_size = {p.batch_size}"
+            + (per_query + f" = {episodes} episodes" if g.samples_per_query > 1 else ""),
+        )
+    if p.advantage != "gae" and g.samples_per_query < 2:
+        problem(
+            "ppo.advantage generation.samples_per_query",
+            f"ppo.advantage = {p.advantage!r} compares answers to the same query: it needs "
+            f"generation.samples_per_query >= 2 (it is {g.samples_per_query})",
+        )
+    if p.kl_in == "loss" and p.advantage == "gae":
+        problem(
+            "ppo.kl_in ppo.advantage",
+            "ppo.kl_in = 'loss' is for the critic-free advantages (ppo.advantage = 'rloo' or "
+            "'grpo'); GAE takes the KL in its per-token rewards",
         )
     if p.minibatch_size % p.micro_batch_size:
         problem(
@@ -564,7 +622,6 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             "ppo.score_norm ppo.score_scaling",
             "ppo.score_norm = true needs ppo.score_scaling = true",
         )
-    g = r.generation
     if 0 < g.temperature < 1e-4:
         problem(
             "generation.temperature",
@@ -608,7 +665,7 @@ def _cross_checks(r: Recipe) -> list[Problem]:
         problem("lora.target_modules", "lora.target_modules: must name at least one module")
     for key, template, allowed in (
         ("data.prompt_template", r.data.prompt_template, None),
-        ("cory.observer_template", r.cory.observer_template, {"query", "pioneer"}),
+        ("cory.observer_template", r.cory.observer_template, {"query", "pioneer", "answers"}),
     ):
         names = template_fields(template)
         if names is None:
@@ -619,11 +676,13 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             problem(key, f"{key} = {_show(template)}: {format_problem}")
         elif allowed and not names <= allowed:
             unknown = ", ".join(sorted(names - allowed))
-            problem(key, f"{key}: unknown placeholder(s) {unknown} (known: query, pioneer)")
-        elif allowed and "pioneer" not in names and r.train.algorithm == "cory":
+            known = "query, pioneer, answers"
+            problem(key, f"{key}: unknown placeholder(s) {unknown} (known: {known})")
+        elif allowed and not names & {"pioneer", "answers"} and r.train.algorithm == "cory":
             problem(
                 f"{key} train.algorithm",
-                f"{key} must contain {{pioneer}}: the observer reads that answer",
+                f"{key} must contain {{pioneer}} or {{answers}}: the observer reads the answers "
+                "before its own",
             )
     trackers = ("tensorboard", "wandb", "trackio", "mlflow")
     unknown_trackers = [t for t in r.log.report_to if t not in trackers]
@@ -667,7 +726,8 @@ def _cross_checks(r: Recipe) -> list[Problem]:
 
 def _format_problem(template: str) -> str | None:
     """Conversions and format specs a str.format template would fail on. Specs are checked
-    against text for {query} and {pioneer}; other columns may be numbers (checked on the data)."""
+    against text for {query}, {pioneer} and {answers}; other columns may be numbers (checked on
+    the data)."""
     for _, name, spec, conversion in string.Formatter().parse(template):
         if name is None:
             continue
@@ -675,7 +735,7 @@ def _format_problem(template: str) -> str | None:
             return f"{{{name}!{conversion}}}: unknown conversion (!r, !s and !a exist)"
         if "{" in spec:
             return f"{{{name}:{spec}}}: placeholders inside a format spec are not supported"
-        if name in ("query", "pioneer"):
+        if name in ("query", "pioneer", "answers"):
             try:
                 format("", spec)
             except ValueError as e:

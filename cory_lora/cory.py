@@ -14,6 +14,11 @@ Where we depart from the paper's code:
 * With `train.algorithm = "ppo"` the same episode has no observer: single-agent PPO on the same
   engine, so the baseline differs from CORY only by the algorithm.
 
+Beyond the paper: `cory.agents = N` chains N agents: position 1 answers the query, position k
+after reading the earlier answers (`{answers}`, or `{pioneer}` for the one just before); each is
+paid `self_coef * r_own + other_coef * (sum or mean of the others')`; the order rotates by one
+every `cory.swap_every` iterations. N = 2 is the paper's pair, exactly.
+
 Ablations (recipe keys): `cory.transfer = false` (the observer does not see the pioneer's
 answer), `cory.swap_every = 0` (roles never exchanged), `cory.other_coef` 0 (self-only) or -1
 (competitive), and both of the first with other_coef 0: two independent agents.
@@ -33,27 +38,46 @@ from cory_lora.model import Agents
 from cory_lora.rewards import Reward
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Roles:
-    """Which adapter plays which role. observer is None for single-agent PPO."""
+    """Which adapter answers at which position: `Roles("llm1", "llm2")` — llm1 pioneers, llm2
+    observes; `Roles("llm1")` (or `Roles("llm1", None)`) — single-agent PPO; N names: a chain."""
 
-    pioneer: str
-    observer: str | None
+    order: tuple[str, ...]
+
+    def __init__(self, *names: str | None):
+        object.__setattr__(self, "order", tuple(n for n in names if n is not None))
+
+    @property
+    def pioneer(self) -> str:
+        return self.order[0]
+
+    @property
+    def observer(self) -> str | None:
+        """The last to answer (the observer of a pair); None alone."""
+        return self.order[-1] if len(self.order) > 1 else None
 
     def swapped(self) -> Roles:
-        if self.observer is None:
-            return self
-        return Roles(pioneer=self.observer, observer=self.pioneer)
+        return Roles(*reversed(self.order))
+
+    def rotated(self, k: int) -> Roles:
+        k %= len(self.order)
+        return Roles(*self.order[k:], *self.order[:k])
+
+    def position_of(self, name: str) -> int:
+        """1-based: 1 is the pioneer."""
+        return self.order.index(name) + 1
 
     def role_of(self, name: str) -> str:
         return "pioneer" if name == self.pioneer else "observer"
 
 
 def roles_at(iteration: int, swap_every: int, names: tuple[str, ...]) -> Roles:
-    """Roles during `iteration` (0-based): llm1 pioneers first, then every swap_every iterations
-    the roles are exchanged (swap_every = 0: never)."""
-    roles = Roles(names[0], names[1] if len(names) > 1 else None)
-    return roles.swapped() if swap_every and (iteration // swap_every) % 2 else roles
+    """Roles during `iteration` (0-based): llm1, llm2, ... in that order first, then every
+    swap_every iterations the order rotates by one (swap_every = 0: never); with 2 agents the
+    roles are exchanged."""
+    roles = Roles(*names)
+    return roles.rotated(iteration // swap_every) if swap_every else roles
 
 
 def exchanges_roles_at(iteration: int, swap_every: int) -> bool:
@@ -76,33 +100,60 @@ def draw_response_length(recipe: Recipe, generator: torch.Generator) -> Recipe:
 
 @dataclass(frozen=True)
 class Episode:
-    """One batch of cooperative episodes (B queries)."""
+    """One batch of cooperative episodes (B queries), position by position (roles.order)."""
 
     roles: Roles
     prompts: PromptSet  # the queries and their dataset columns
-    pioneer_prompts: list[str]  # B prompt texts (before any chat template; rewards see these)
-    pioneer_generation: Generation  # the pioneer's answers
-    pioneer_rewards: torch.Tensor  # [B] task reward of the pioneer's answers
-    observer_prompts: list[str] | None
-    observer_generation: Generation | None
-    observer_rewards: torch.Tensor | None  # [B]
+    chain_prompts: list[list[str]]  # per position: B prompt texts (before any chat template)
+    generations: list[Generation]  # per position: the answers
+    rewards: list[torch.Tensor]  # per position: [B] task reward of the answers
     truncated_prompts: int  # prompts cut to data.max_prompt_tokens in this episode
 
+    # The pair's names for positions 1 and N (None for the observer when alone).
+    @property
+    def pioneer_prompts(self) -> list[str]:
+        return self.chain_prompts[0]
+
+    @property
+    def pioneer_generation(self) -> Generation:
+        return self.generations[0]
+
+    @property
+    def pioneer_rewards(self) -> torch.Tensor:
+        return self.rewards[0]
+
+    @property
+    def observer_prompts(self) -> list[str] | None:
+        return self.chain_prompts[-1] if len(self.chain_prompts) > 1 else None
+
+    @property
+    def observer_generation(self) -> Generation | None:
+        return self.generations[-1] if len(self.generations) > 1 else None
+
+    @property
+    def observer_rewards(self) -> torch.Tensor | None:
+        return self.rewards[-1] if len(self.rewards) > 1 else None
+
     def generation_of(self, name: str) -> Generation:
-        return self.pioneer_generation if name == self.roles.pioneer else self.observer_generation
+        return self.generations[self.roles.position_of(name) - 1]
 
     def task_reward_of(self, name: str) -> torch.Tensor:
-        return self.pioneer_rewards if name == self.roles.pioneer else self.observer_rewards
+        return self.rewards[self.roles.position_of(name) - 1]
 
-    def scores(self, self_coef: float, other_coef: float) -> dict[str, torch.Tensor]:
-        """Each agent's PPO score [B]: its own task reward plus, in CORY, the other's."""
-        if self.roles.observer is None:
-            return {self.roles.pioneer: self.pioneer_rewards}
-        p, o = self.pioneer_rewards, self.observer_rewards
-        return {
-            self.roles.pioneer: self_coef * p + other_coef * o,
-            self.roles.observer: self_coef * o + other_coef * p,
-        }
+    def scores(
+        self, self_coef: float, other_coef: float, others: str = "sum"
+    ) -> dict[str, torch.Tensor]:
+        """Each agent's PPO score [B]: its own task reward plus, in CORY, the others' (their sum
+        or mean, weighted by other_coef)."""
+        if len(self.rewards) == 1:
+            return {self.roles.pioneer: self.rewards[0]}
+        out = {}
+        for k, name in enumerate(self.roles.order):
+            other = sum(r for j, r in enumerate(self.rewards) if j != k)
+            if others == "mean":
+                other = other / (len(self.rewards) - 1)
+            out[name] = self_coef * self.rewards[k] + other_coef * other
+        return out
 
     def reward_problem(self, scores: torch.Tensor, reward_name: str) -> str | None:
         """Why `scores` [B] cannot be learned from (NaN/inf from the reward), naming the
@@ -110,14 +161,16 @@ class Episode:
         if torch.isfinite(scores).all():
             return None
         parts = []
-        for role, rewards in (
-            ("pioneer", self.pioneer_rewards),
-            ("observer", self.observer_rewards),
-        ):
-            if rewards is not None and not torch.isfinite(rewards).all():
+        for k, rewards in enumerate(self.rewards):
+            if not torch.isfinite(rewards).all():
                 bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-                parts.append(f"the {role}'s answers {bad[:8]}")
+                parts.append(f"the {self._label(k)}'s answers {bad[:8]}")
         return f"reward {reward_name!r} returned NaN/inf for {' and '.join(parts)}"
+
+    def _label(self, position: int) -> str:
+        if position == 0:
+            return "pioneer"
+        return "observer" if len(self.rewards) == 2 else f"observer at position {position + 1}"
 
 
 def play_episode(
@@ -129,55 +182,38 @@ def play_episode(
     stopping: Stopping,
     generator: torch.Generator,
 ) -> Episode:
-    """Pioneer answers, observer answers after reading it, both answers are scored."""
-    data = recipe.data
+    """Position 1 answers the query; each next position answers after reading the earlier
+    answers (with cory.transfer); every answer is scored against the query."""
+    data, cory = recipe.data, recipe.cory
     rows = prompts.rows()
     pioneer_prompts = [
         format_prompt(data.prompt_template, q, row)
         for q, row in zip(prompts.queries, rows, strict=True)
     ]
-    pioneer, truncated_pioneer = _answer(
-        agents, roles.pioneer, pioneer_prompts, recipe, stopping, generator
-    )
-    pioneer_rewards = reward(pioneer_prompts, pioneer.texts, prompts.columns)
-    if roles.observer is None:
-        return Episode(
-            roles,
-            prompts,
-            pioneer_prompts,
-            pioneer,
-            pioneer_rewards,
-            None,
-            None,
-            None,
-            truncated_pioneer,
-        )
-    if recipe.cory.transfer:
-        observer_prompts = [
-            format_prompt(
-                data.prompt_template,
-                recipe.cory.observer_template.format(query=q, pioneer=answer),
-                row,
-            )
-            for q, answer, row in zip(prompts.queries, pioneer.texts, rows, strict=True)
-        ]
-    else:  # the no-transfer ablation: the observer answers the query as the pioneer does
-        observer_prompts = list(pioneer_prompts)
-    observer, truncated_observer = _answer(
-        agents, roles.observer, observer_prompts, recipe, stopping, generator
-    )
-    observer_rewards = reward(pioneer_prompts, observer.texts, prompts.columns)
-    return Episode(
-        roles,
-        prompts,
-        pioneer_prompts,
-        pioneer,
-        pioneer_rewards,
-        observer_prompts,
-        observer,
-        observer_rewards,
-        truncated_pioneer + truncated_observer,
-    )
+    chain_prompts, generations, rewards, truncated = [], [], [], 0
+    for position, name in enumerate(roles.order):
+        if position == 0 or not cory.transfer:  # no transfer: the plain query, as the pioneer
+            texts = pioneer_prompts
+        else:
+            answers = [generation.texts for generation in generations]
+            texts = [
+                format_prompt(
+                    data.prompt_template,
+                    cory.observer_template.format(
+                        query=q,
+                        pioneer=answers[-1][i],
+                        answers=cory.answer_separator.join(a[i] for a in answers),
+                    ),
+                    row,
+                )
+                for i, (q, row) in enumerate(zip(prompts.queries, rows, strict=True))
+            ]
+        generation, cut = _answer(agents, name, texts, recipe, stopping, generator)
+        chain_prompts.append(list(texts))
+        generations.append(generation)
+        rewards.append(reward(pioneer_prompts, generation.texts, prompts.columns))
+        truncated += cut
+    return Episode(roles, prompts, chain_prompts, generations, rewards, truncated)
 
 
 def _answer(agents, name, texts, recipe, stopping, generator) -> tuple[Generation, int]:

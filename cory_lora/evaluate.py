@@ -1,9 +1,10 @@
-"""Evaluation of a finished run on held-out prompts: each agent alone, the pair, and the base.
+"""Evaluation of a finished run on held-out prompts: each agent alone, the chain, and the base.
 
 Rows:
 * `llmK` — the agent alone, answering the query (the pioneer's prompt);
 * `llmA→llmB` — the pair: llmA answers, llmB answers after reading it (the pair's answer is the
-  observer's); its KL is the observer's;
+  observer's); its KL is the observer's. With N agents, the full chain `llmA→...→llmZ` in each of
+  the N orders training rotates through (the chain's answer and KL: the last agent's);
 * `base` — the model with adapters disabled (the reference; its KL is 0 by definition).
 
 Each row's figures (heldout.py): greedy accuracy and pass@k when the reward is a 0/1 correctness
@@ -90,11 +91,9 @@ def _evaluate(run_dir: Path, split: str | None, limit: int, ks: tuple[int, ...],
     reward = load_reward(recipe.reward, str(agents.device), recipe.data)
     evaluator = Evaluator(recipe, agents, reward, prompts, ks, n)
     rows = [evaluator.alone(name) for name in agents.names]
-    if len(agents.names) == 2:
-        rows += [
-            evaluator.pair(Roles(*agents.names)),
-            evaluator.pair(Roles(*agents.names).swapped()),
-        ]
+    if len(agents.names) > 1:  # the chain in each of the orders training rotates through
+        chain = Roles(*agents.names)
+        rows += [evaluator.chain(chain.rotated(k)) for k in range(len(agents.names))]
     rows.append(evaluator.base())
     path = eval_file(run_dir, name, default=_default_split(recipe))
     result = {

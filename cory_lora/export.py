@@ -49,7 +49,8 @@ def export_agent(
     if agent not in recipe.agents:
         raise UserError(f"--agent {agent!r}: this run has {', '.join(recipe.agents)}")
     adapter = run_dir / "final" / agent
-    missing = [name for name in ADAPTER_FILES if not (adapter / name).is_file()]
+    expected = ADAPTER_FILES if recipe.ppo.advantage == "gae" else ADAPTER_FILES[:2]
+    missing = [name for name in expected if not (adapter / name).is_file()]
     if missing:
         raise UserError(f"{adapter} is incomplete (missing {', '.join(missing)})")
     if out.exists():
@@ -65,7 +66,8 @@ def export_agent(
             for name in ADAPTER_FILES[:2]:  # the value head is copied below, in both forms
                 shutil.copy2(adapter / name, tmp / name)
             dtype = None
-        shutil.copy2(adapter / VALUE_HEAD_FILE, tmp / VALUE_HEAD_FILE)
+        if recipe.ppo.advantage == "gae":  # critic-free agents have no value head
+            shutil.copy2(adapter / VALUE_HEAD_FILE, tmp / VALUE_HEAD_FILE)
         card = model_card(recipe, run_dir, agent, merged=merge, dtype=dtype)
         (tmp / "README.md").write_text(card, encoding="utf-8")
         _shareable(tmp)
@@ -233,8 +235,12 @@ def model_card(recipe: Recipe, run_dir: Path, agent: str, merged: bool = False, 
         f"Agent `{agent}` of a cory-lora run — {algorithm} — on `{base}`, exported as {form}. "
         f"Task reward: `{recipe.reward.function}` on `{recipe.data.dataset}`.",
         "",
-        "`value_head.safetensors` holds the agent's value head (a linear layer on the last "
-        "hidden state), for continuing RL; generation does not need it.",
+        (
+            "`value_head.safetensors` holds the agent's value head (a linear layer on the last "
+            "hidden state), for continuing RL; generation does not need it."
+            if recipe.ppo.advantage == "gae"
+            else f"Trained critic-free (`ppo.advantage = {recipe.ppo.advantage}`): no value head."
+        ),
         "",
         "## Use",
         "",

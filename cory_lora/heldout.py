@@ -82,11 +82,13 @@ class Evaluator:
         kl = self._kl(name, sampled.pioneer_generation)
         return self._row(name, greedy.pioneer_rewards, sampled.pioneer_rewards, kl)
 
-    def pair(self, roles: Roles) -> EvalRow:
+    def chain(self, roles: Roles) -> EvalRow:
+        """The agents in `roles.order`, each reading the earlier answers; the chain's answer
+        (and KL) is the last agent's. Two agents: the pair, pioneer then observer."""
         greedy = self._episode(self.greedy, roles, self.prompts)
         sampled = self._episode(self.recipe, roles, self.repeated)
         kl = self._kl(roles.observer, sampled.observer_generation)
-        name = f"{roles.pioneer}→{roles.observer}"
+        name = "→".join(roles.order)
         return self._row(name, greedy.observer_rewards, sampled.observer_rewards, kl)
 
     def base(self) -> EvalRow:

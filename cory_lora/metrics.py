@@ -42,6 +42,7 @@ def iteration_metrics(
         generation = episode.generation_of(name)
         metrics |= {
             f"{name}/role": episode.roles.role_of(name),
+            f"{name}/position": episode.roles.position_of(name),
             f"{name}/task_reward": task,
             f"{name}/kl": _finite(kl),
             f"{name}/kl_penalty": _finite(update["kl_penalty"]),
@@ -58,7 +59,8 @@ def iteration_metrics(
 
 
 def samples(iteration: int, episode: Episode, k: int) -> list[dict]:
-    """The first k episodes' texts and rewards, for samples.jsonl."""
+    """The first k episodes' texts and rewards, for samples.jsonl: the pioneer's and the last
+    observer's, and with more than 2 agents the answers between them (`middle`, in order)."""
     out = []
     for i in range(min(k, len(episode.pioneer_prompts))):
         record = {
@@ -74,5 +76,14 @@ def samples(iteration: int, episode: Episode, k: int) -> list[dict]:
                 "observer": episode.observer_generation.texts[i],
                 "observer_reward": finite_or_none(float(episode.observer_rewards[i])),
             }
+        if len(episode.generations) > 2:
+            record["middle"] = [
+                {
+                    "agent": name,
+                    "answer": episode.generations[k].texts[i],
+                    "reward": finite_or_none(float(episode.rewards[k][i])),
+                }
+                for k, name in enumerate(episode.roles.order[1:-1], start=1)
+            ]
         out.append(record)
     return out

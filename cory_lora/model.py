@@ -33,7 +33,8 @@ def is_lora_of(parameter_name: str, adapter: str) -> bool:
 
 
 class Agents:
-    """The shared base model, its LoRA adapters (one per agent) and their value heads."""
+    """The shared base model, its LoRA adapters (one per agent) and their value heads (none with
+    a critic-free ppo.advantage)."""
 
     def __init__(self, model, tokenizer, names: tuple[str, ...], value_heads: torch.nn.ModuleDict):
         self.model = model  # peft.PeftModel holding every adapter
@@ -100,8 +101,9 @@ class Agents:
         return [p for n, p in self.model.named_parameters() if is_lora_of(n, name)]
 
     def trainable_parameters(self, name: str) -> list[torch.nn.Parameter]:
-        """Agent `name`'s own parameters: its LoRA matrices and its value head."""
-        return self.lora_parameters(name) + list(self.value_heads[name].parameters())
+        """Agent `name`'s own parameters: its LoRA matrices and its value head (if any)."""
+        head = list(self.value_heads[name].parameters()) if name in self.value_heads else []
+        return self.lora_parameters(name) + head
 
     def stopping(self, stop_strings: tuple[str, ...]) -> Stopping:
         """EOS ids from the tokenizer and the model's generation config, plus `stop_strings`."""
@@ -132,10 +134,13 @@ class Agents:
             )
 
     def save(self, directory: Path, names: tuple[str, ...] | None = None) -> None:
-        """Write `directory/<name>/`: a PEFT adapter directory plus value_head.safetensors."""
+        """Write `directory/<name>/`: a PEFT adapter directory plus value_head.safetensors (when
+        the agent has a value head)."""
         names = names or self.names
         self.model.save_pretrained(str(directory), selected_adapters=list(names))
         for name in names:
+            if name not in self.value_heads:
+                continue
             head = {
                 k: v.detach().cpu().contiguous()
                 for k, v in self.value_heads[name].state_dict().items()
@@ -155,8 +160,9 @@ class Agents:
                 raise UserError(
                     f"{adapter}: adapter weights do not match this model and LoRA shape"
                 )
-            head = load_file(str(adapter / VALUE_HEAD_FILE), device=str(self.device))
-            self.value_heads[name].load_state_dict(head)
+            if name in self.value_heads:
+                head = load_file(str(adapter / VALUE_HEAD_FILE), device=str(self.device))
+                self.value_heads[name].load_state_dict(head)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -336,12 +342,14 @@ def load_agents(recipe: Recipe, tokenizer=None) -> Agents:
         model.add_adapter(name, lora)
         _copy_adapter(model, names[0], name)
     model.set_adapter(names[0])
-    hidden = base.config.get_text_config().hidden_size
-    first = torch.nn.Linear(hidden, 1, dtype=torch.float32, device=base.device)
-    heads = torch.nn.ModuleDict({names[0]: first})
-    for name in names[1:]:
-        heads[name] = torch.nn.Linear(hidden, 1, dtype=torch.float32, device=base.device)
-        heads[name].load_state_dict(first.state_dict())
+    heads = torch.nn.ModuleDict()
+    if recipe.ppo.advantage == "gae":  # critic-free advantages need no value head
+        hidden = base.config.get_text_config().hidden_size
+        first = torch.nn.Linear(hidden, 1, dtype=torch.float32, device=base.device)
+        heads[names[0]] = first
+        for name in names[1:]:
+            heads[name] = torch.nn.Linear(hidden, 1, dtype=torch.float32, device=base.device)
+            heads[name].load_state_dict(first.state_dict())
     return Agents(model, tokenizer, names, heads)
 
 

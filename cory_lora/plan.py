@@ -107,11 +107,12 @@ def estimate(recipe: Recipe) -> MemoryPlan:
         getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
     )
     n_agents = len(recipe.agents)
-    per_agent = 16 * (lora + hidden + 1)
+    head = hidden + 1 if recipe.ppo.advantage == "gae" else 0  # critic-free: no value head
+    per_agent = 16 * (lora + head)
 
     g = recipe.generation
     prompt, new = recipe.data.max_prompt_tokens, g.max_new_tokens
-    gen_batch = min(g.batch_size, recipe.ppo.batch_size)
+    gen_batch = min(g.batch_size, recipe.ppo.batch_size * g.samples_per_query)
     kv_cache = 2 * layers * gen_batch * (prompt + new) * kv_dim * width
     prefill = gen_batch * prompt * (4 * hidden + 2 * inter) * width
     generation = kv_cache + prefill

@@ -2,10 +2,11 @@
 
 Curves: task reward, KL and combined reward per agent over iterations (a moving average over
 `smooth` iterations; raw values faint behind). Colours tell runs apart, line styles agents
-(solid llm1, dashed llm2). The reward–KL panel puts each run's final point (mean of its last
-`smooth` iterations over its agents) in the plane, labelled with the run name and its recipe's
-eta: up and to the left is better. Runs that evaluated during training (`train.eval_every`) get
-a fifth panel: each agent's held-out greedy accuracy (task reward where the reward is not 0/1).
+(solid llm1, dashed llm2, dotted llm3, dash-dot llm4). The reward–KL panel puts each run's final
+point (mean of its last `smooth` iterations over its agents) in the plane, labelled with the run
+name and its recipe's eta: up and to the left is better. Runs that evaluated during training
+(`train.eval_every`) get a fifth panel: each agent's held-out greedy accuracy (task reward where
+the reward is not 0/1).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -24,7 +26,17 @@ PANELS = (
     ("kl", "KL to reference"),
     ("combined_reward", "combined reward"),
 )
-AGENT_STYLES = {"llm1": "-", "llm2": "--"}
+AGENT_STYLES = {"llm1": "-", "llm2": "--", "llm3": ":", "llm4": "-."}  # more: solid again
+
+
+def _style(agent: str) -> str:
+    return AGENT_STYLES.get(agent, "-")
+
+
+def _agents(rows: list[dict]) -> list[str]:
+    """The agents a run's metrics name (llm1, llm2, ...), in order."""
+    names = {key.split("/")[0] for m in rows for key in m if key.endswith("/task_reward")}
+    return sorted((n for n in names if re.fullmatch(r"llm\d+", n)), key=lambda n: int(n[3:]))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -109,17 +121,17 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     for r, (run_dir, rows) in enumerate(runs):
         colour = colours[r % len(colours)]
         name, eta = _run_label(run_dir)
-        agents = [a for a in AGENT_STYLES if any(f"{a}/task_reward" in m for m in rows)]
+        agents = _agents(rows)
         x = [m["iteration"] for m in rows]
         for ax, (key, title) in zip(axes, PANELS, strict=False):
             for agent in agents:
                 y = [_value(m, f"{agent}/{key}") for m in rows]
-                ax.plot(x, y, color=colour, alpha=0.15, linestyle=AGENT_STYLES[agent])
+                ax.plot(x, y, color=colour, alpha=0.15, linestyle=_style(agent))
                 ax.plot(
                     x,
                     _moving_average(y, smooth),
                     color=colour,
-                    linestyle=AGENT_STYLES[agent],
+                    linestyle=_style(agent),
                     label=f"{name} {agent}",
                 )
             ax.set_title(title)
@@ -167,7 +179,7 @@ def _plot_eval(ax, rows: list[dict], agents: list[str], colour: str, name: str) 
             [m["iteration"] for m in evaluated],
             [_value(m, key) for m in evaluated],
             color=colour,
-            linestyle=AGENT_STYLES[agent],
+            linestyle=_style(agent),
             marker="o",
             label=f"{name} {agent}",
         )

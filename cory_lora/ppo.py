@@ -154,6 +154,37 @@ def gae(
     return advantages, (advantages + values) * mask
 
 
+# --------------------------------------------------------------------------- critic-free
+
+
+def group_advantages(scores: torch.Tensor, group_size: int, kind: str) -> torch.Tensor:
+    """Per-episode advantages without a value head, from the scores [N] of N / G queries' G
+    answers each (a query's answers consecutive). [N] -> [N].
+
+    rloo (Ahmadian et al. 2024): score minus the mean of the other G - 1 scores of its group;
+    grpo (Shao et al. 2024): (score - group mean) / (group std + 1e-4), std Bessel-corrected.
+    As TRL's RLOOTrainer and GRPOTrainer (scale_rewards="group") compute them.
+    """
+    if group_size < 2 or len(scores) % group_size:
+        raise ValueError(f"{len(scores)} scores do not form groups of {group_size} >= 2")
+    groups = scores.view(-1, group_size)
+    if kind == "rloo":
+        baseline = (groups.sum(1, keepdim=True) - groups) / (group_size - 1)
+        return (groups - baseline).reshape(-1)
+    if kind == "grpo":
+        mean = groups.mean(1, keepdim=True)
+        std = groups.std(1, keepdim=True)  # unbiased, as TRL's nanstd
+        return ((groups - mean) / (std + 1e-4)).reshape(-1)
+    raise ValueError(f"unknown critic-free advantage {kind!r} (rloo, grpo)")
+
+
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask, n_tokens) -> torch.Tensor:
+    """GRPO's KL term: sum over tokens of the k3 estimate exp(ref - logp) - (ref - logp) - 1
+    (>= 0) of the current policy against the reference, / n_tokens. [B, T] -> scalar."""
+    delta = ref_logprobs - logprobs
+    return ((torch.exp(delta) - delta - 1) * mask).sum() / n_tokens
+
+
 # --------------------------------------------------------------------------- losses
 
 

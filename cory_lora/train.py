@@ -182,14 +182,17 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
         for agent in state.agents.values():
             agent.restart(recipe.ppo)
     # 2. Rollout: the pioneer answers, then the observer answers after reading it; both scored.
-    batch = setup.prompts.take(distributed.my_share(state.order.next(recipe.ppo.batch_size)))
+    # (Each query generation.samples_per_query times in a row: a critic-free advantage's group.)
+    queries = distributed.my_share(state.order.next(recipe.ppo.batch_size))
+    repeats = recipe.generation.samples_per_query
+    batch = setup.prompts.take([i for i in queries for _ in range(repeats)])
     this_iteration = draw_response_length(recipe, state.sampling_rng)
     episode = play_episode(
         agents, roles, batch, this_iteration, setup.reward, setup.stopping, state.sampling_rng
     )
     generated = time.perf_counter()
     # 3. Scores: own and (in CORY) the other's task reward.
-    scores = episode.scores(recipe.cory.self_coef, recipe.cory.other_coef)
+    scores = episode.scores(recipe.cory.self_coef, recipe.cory.other_coef, recipe.cory.others)
     # 4. Each agent learns on its own: rollout scoring, PPO epochs, then its KL coefficient.
     outcomes = {
         name: train_agent(

@@ -37,11 +37,11 @@ class Rollout:
     mask: torch.Tensor  # [B, T] float, 1 on response tokens
     logprobs: torch.Tensor  # [B, T] of the sampled tokens under the agent at rollout time
     ref_logprobs: torch.Tensor  # [B, T] under the reference (adapters disabled)
-    values: torch.Tensor  # [B, T] the agent's value head at rollout time
+    values: torch.Tensor  # [B, T] the agent's value head at rollout time (0: critic-free)
     kl: torch.Tensor  # [B, T] per-token KL penalty term (estimator from the recipe)
     scores: torch.Tensor  # [B] score after scaling/clipping (added on the last token)
     advantages: torch.Tensor  # [B, T]
-    returns: torch.Tensor  # [B, T]
+    returns: torch.Tensor  # [B, T] (0: critic-free)
 
     @property
     def sequence_kl(self) -> torch.Tensor:
@@ -52,6 +52,7 @@ class Rollout:
 LOSS_KEYS = (
     "policy_loss",
     "value_loss",
+    "kl_loss",
     "clipfrac",
     "approx_kl",
     "entropy",
@@ -68,7 +69,8 @@ class UpdateStats:
     kl_penalty: float  # mean over episodes of the summed per-token KL the penalty used
     kl_coef: float  # the beta the rollout's rewards were penalised with
     policy_loss: float
-    value_loss: float
+    value_loss: float | None  # None without a value head (critic-free)
+    kl_loss: float  # beta x the KL term of the loss (ppo.kl_in = "loss"), else 0
     clipfrac: float
     approx_kl: float
     entropy: float
@@ -113,8 +115,18 @@ def train_agent(
     reward_problem: why the scores cannot be learned from (Episode.reward_problem), or None.
     """
     cfg, temperature = recipe.ppo, recipe.generation.scoring_temperature
+    group_size = recipe.generation.samples_per_query
     outcome = _update_or_skip(
-        agents, name, state, generation, scores, reward_problem, cfg, temperature, generator
+        agents,
+        name,
+        state,
+        generation,
+        scores,
+        reward_problem,
+        cfg,
+        temperature,
+        generator,
+        group_size,
     )
     skipped = isinstance(outcome, Skipped)
     state.bad_streak = state.bad_streak + 1 if skipped else 0
@@ -123,12 +135,12 @@ def train_agent(
 
 
 def _update_or_skip(
-    agents, name, state, generation, scores, reward_problem, cfg, temperature, generator
+    agents, name, state, generation, scores, reward_problem, cfg, temperature, generator, group_size
 ):
     kl_coef = state.kl_ctl.value
     if distributed.any_rank(reward_problem is not None):
         return Skipped(reward_problem or "NaN/inf rewards on another process", None, None, kl_coef)
-    rollout = make_rollout(agents, name, generation, scores, state, cfg, temperature)
+    rollout = make_rollout(agents, name, generation, scores, state, cfg, temperature, group_size)
     kl = distributed.all_mean(float(rollout.sequence_kl.mean()))
     # The controller follows the KL the penalty uses (k1, k3 or full), summed per episode, as
     # TRL 0.x's does; `kl` (always k1) is what we report, so runs compare whatever the penalty.
@@ -222,12 +234,15 @@ def make_rollout(
     state: AgentState,
     cfg: PPOConfig,
     temperature: float,
+    group_size: int = 1,
 ) -> Rollout:
     """Agent `name`'s episodes as a Rollout: logprobs, values, reference logprobs, per-token
-    KL penalty and advantages.
+    KL penalty and advantages (GAE, or critic-free over groups of `group_size` consecutive
+    episodes answering the same query).
 
     raw_scores [B]: the agent's score per episode (its collective reward in CORY).
     """
+    critic = cfg.advantage == "gae"
     input_ids, attention_mask = sequences(gen)
     response_ids, mask = gen.response_ids, gen.response_mask.float()
     parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
@@ -238,7 +253,10 @@ def make_rollout(
         ref_logprobs = _logprobs(ref_logits, resp, temperature)
         parts["logprobs"].append(logprobs)
         parts["ref"].append(ref_logprobs)
-        parts["values"].append(agents.values(name, hidden[:, :-1]))
+        if critic:
+            parts["values"].append(agents.values(name, hidden[:, :-1]))
+        else:
+            parts["values"].append(torch.zeros_like(logprobs))
         if cfg.kl_estimator == "full":
             kl = ppo.full_kl(logits[:, :-1] / temperature, ref_logits[:, :-1] / temperature)
         else:
@@ -253,10 +271,14 @@ def make_rollout(
     scores = ppo.normalise_scores(
         raw_scores, moments, cfg.score_norm, cfg.score_clip, batch=distributed.gather(raw_scores)
     )
-    rewards = ppo.token_rewards(scores, kl, state.kl_ctl.value, mask)
-    advantages, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.lam)
-    if cfg.whiten_advantages:
-        advantages = ppo.masked_whiten(advantages, mask, all_sum=distributed.all_sum)
+    if critic:
+        rewards = ppo.token_rewards(scores, kl, state.kl_ctl.value, mask)
+        advantages, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            advantages = ppo.masked_whiten(advantages, mask, all_sum=distributed.all_sum)
+    else:
+        advantages = _critic_free_advantages(scores, kl, mask, state.kl_ctl.value, cfg, group_size)
+        returns = torch.zeros_like(advantages)
     return Rollout(
         input_ids,
         attention_mask,
@@ -270,6 +292,16 @@ def make_rollout(
         advantages,
         returns,
     )
+
+
+def _critic_free_advantages(scores, kl, mask, kl_coef: float, cfg: PPOConfig, group_size: int):
+    """Each episode's advantage from its group (ppo.group_advantages), on every response token.
+    With the KL in the reward (RLOO), beta x the episode's summed per-token KL is subtracted
+    from its score first; in the loss (GRPO), the scores are used as they are."""
+    if cfg.kl_in == "reward":
+        scores = scores - kl_coef * (kl * mask).sum(1)
+    per_episode = ppo.group_advantages(scores, group_size, cfg.advantage)
+    return per_episode.unsqueeze(1) * mask
 
 
 def ppo_update(
@@ -291,7 +323,18 @@ def ppo_update(
     T = rollout.response_ids.shape[1]
     rows_here = len(rollout.input_ids)
     # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
-    keys = ("policy", "value", "clipped", "approx_kl", "entropy", "grad_norm", "tokens", "skips")
+    keys = (
+        "policy",
+        "value",
+        "kl",
+        "clipped",
+        "approx_kl",
+        "entropy",
+        "grad_norm",
+        "tokens",
+        "skips",
+    )
+    critic, kl_in_loss, beta = cfg.advantage == "gae", cfg.kl_in == "loss", state.kl_ctl.value
     sums = {k: torch.zeros((), device=rollout.mask.device) for k in keys}
     steps = micro_batches = 0
     agents.model.train()  # LoRA dropout, if any, acts in updates only; base dropout is off
@@ -310,7 +353,6 @@ def ppo_update(
                         )
                         mask = rollout.mask[rows]
                         logprobs = _logprobs(logits, rollout.response_ids[rows], temperature)
-                        values = agents.values(name, hidden[:, :-1])
                         pg = ppo.policy_loss(
                             logprobs,
                             rollout.logprobs[rows],
@@ -319,21 +361,28 @@ def ppo_update(
                             cfg.clip_range,
                             n_tokens,
                         )
-                        vf = ppo.value_loss(
-                            values,
-                            rollout.values[rows],
-                            rollout.returns[rows],
-                            mask,
-                            cfg.value_clip_range,
-                            n_tokens,
-                        )
-                        loss = pg.loss + cfg.vf_coef * vf
+                        vf = torch.zeros((), device=mask.device)
+                        if critic:
+                            vf = ppo.value_loss(
+                                agents.values(name, hidden[:, :-1]),
+                                rollout.values[rows],
+                                rollout.returns[rows],
+                                mask,
+                                cfg.value_clip_range,
+                                n_tokens,
+                            )
+                        kl_term = torch.zeros((), device=mask.device)
+                        if kl_in_loss:  # GRPO: the KL to the reference as a loss term
+                            ref = rollout.ref_logprobs[rows]
+                            kl_term = beta * ppo.kl_loss(logprobs, ref, mask, n_tokens)
+                        loss = pg.loss + cfg.vf_coef * vf + kl_term
                         if cfg.ratio_threshold:
                             # TRL 0.x's guard: a micro-batch whose mean ratio explodes teaches
                             # nothing; multiplying by a 0/1 tensor avoids a CPU-GPU sync.
                             mean_ratio = pg.ratio_sum / mask.sum().clamp(min=1)
                             keep = (mean_ratio <= cfg.ratio_threshold).float()
                             loss, pg_loss, vf = loss * keep, pg.loss * keep, vf * keep
+                            kl_term = kl_term * keep
                             sums["skips"] += 1 - keep
                         else:
                             pg_loss = pg.loss
@@ -344,6 +393,7 @@ def ppo_update(
                             sums["entropy"] += (entropy * mask).sum()
                             sums["policy"] += pg_loss.detach()
                             sums["value"] += vf.detach()
+                            sums["kl"] += kl_term.detach()
                             sums["clipped"] += pg.clipped_tokens
                             sums["approx_kl"] += pg.approx_kl_sum
                     distributed.sum_gradients(params)
@@ -360,13 +410,14 @@ def ppo_update(
         agents.model.eval()
         state.optimizer.zero_grad(set_to_none=True)  # frees gradient memory before generation
     # Global totals: the token count and the gradient norm are the same on every rank already.
-    local = ("policy", "value", "clipped", "approx_kl", "entropy", "skips")
+    local = ("policy", "value", "kl", "clipped", "approx_kl", "entropy", "skips")
     sums |= {k: distributed.all_sum(sums[k]) for k in local}
     micro_batches = distributed.sum_int(micro_batches)
     totals = {k: float(v) for k, v in sums.items()}
     return {
         "policy_loss": totals["policy"] / steps,
-        "value_loss": totals["value"] / steps,
+        "value_loss": totals["value"] / steps if critic else None,
+        "kl_loss": totals["kl"] / steps,
         "clipfrac": totals["clipped"] / totals["tokens"],
         "approx_kl": totals["approx_kl"] / totals["tokens"],
         "entropy": totals["entropy"] / totals["tokens"],

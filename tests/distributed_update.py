@@ -3,11 +3,15 @@ iterations of llm1's update (`update.train_agent`) on the same 8 episodes, each 
 share. Rank 0 writes the agent's trainable tensors and the updates' statistics to OUT.
 
     python tests/distributed_update.py MODEL_DIR DATA_FILE OUT [section.key=value ...]
+
+With ppo.advantage = "rloo" or "grpo" and generation.samples_per_query = 2, the 8 episodes are 4
+queries' pairs of answers (consecutive rows), so each rank's share holds whole groups.
 """
 
 from __future__ import annotations
 
 import sys
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,13 +43,16 @@ def share(generation, rows):
 
 
 def main(model_dir: str, data_file: str, out: str, *overrides: str) -> None:
-    ppo = {"adaptive_kl": True, "kl_target": 0.5, "score_scaling": True, "ratio_threshold": 0.0}
-    for item in overrides:
+    sections = {
+        # the ratio guard judges micro-batches, which differ with the ranks: off here
+        "ppo": {"adaptive_kl": True, "kl_target": 0.5, "score_scaling": True, "ratio_threshold": 0},
+        "train": {"algorithm": "ppo"},
+    }
+    for item in overrides:  # section.key=value, the value as TOML reads it
         key, value = item.split("=")
-        ppo[key.removeprefix("ppo.")] = float(value) if "." in value else value
-    recipe = recipe_from_dict(
-        tiny_recipe_dict(Path(model_dir), Path(data_file), ppo=ppo, train={"algorithm": "ppo"})
-    )
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = tomllib.loads(f"v = {value}")["v"]
+    recipe = recipe_from_dict(tiny_recipe_dict(Path(model_dir), Path(data_file), **sections))
     distributed.start("cpu")
     seed_everything(0)
     tokenizer = load_tokenizer(recipe.model)
@@ -57,7 +64,9 @@ def main(model_dir: str, data_file: str, out: str, *overrides: str) -> None:
     stats = []
     for iteration in range(2):
         # The same whole batch on every rank (same seed), then each rank keeps its share.
-        batch = prompts.take(list(range(8 * iteration, 8 * iteration + 8)))
+        group = recipe.generation.samples_per_query
+        queries = range(8 // group * iteration, 8 // group * (iteration + 1))
+        batch = prompts.take([q for q in queries for _ in range(group)])
         episode = play_episode(
             agents,
             Roles("llm1", None),
@@ -85,7 +94,9 @@ def main(model_dir: str, data_file: str, out: str, *overrides: str) -> None:
         for n, p in agents.model.named_parameters()
         if p.requires_grad and ".llm1." in n
     }
-    trainable |= {f"value_head.{k}": v for k, v in agents.value_heads["llm1"].state_dict().items()}
+    if "llm1" in agents.value_heads:  # none with a critic-free ppo.advantage
+        heads = agents.value_heads["llm1"].state_dict()
+        trainable |= {f"value_head.{k}": v for k, v in heads.items()}
     everyone = distributed.gather_objects(trainable)
     if distributed.is_main():
         torch.save({"trainable": trainable, "stats": stats, "ranks": everyone}, out)
