@@ -77,7 +77,16 @@ CONFIGURATIONS = (
     Configuration("ppo", ("train.algorithm=ppo",)),
     Configuration("cory n=2", ("train.algorithm=cory",)),
     Configuration("cory n=3", ("train.algorithm=cory", "cory.agents=3")),
-    Configuration("cory-rloo n=2", ("train.algorithm=cory", "ppo.advantage=rloo")),
+    # critic-free: 2 answers to each of half the queries, so as many episodes as the others
+    Configuration(
+        "cory-rloo n=2",
+        (
+            "train.algorithm=cory",
+            "ppo.advantage=rloo",
+            "generation.samples_per_query=2",
+            "ppo.batch_size=HALF",
+        ),
+    ),
 )
 
 
@@ -231,7 +240,8 @@ def measure(args, config: Configuration, live: bool) -> dict:
     from cory_lora.console import Display
     from cory_lora.outputs import RunDir
 
-    recipe = load_recipe(RECIPE, overrides(args) + list(config.overrides))
+    own = [o.replace("HALF", str(max(1, args.batch // 2))) for o in config.overrides]
+    recipe = load_recipe(RECIPE, overrides(args) + own)
     cuda = torch.device(recipe.model.device).type == "cuda"
     if live:
         torch.set_num_threads(1)  # the two profiled processes run side by side
