@@ -219,7 +219,8 @@ def test_bootstrap_interval_by_hand():
 
 
 @pytest.mark.parametrize(
-    "name", ["micro", "tiny_frontier", "tiny_ablations", "gpt2_imdb", "llama2_7b_gsm8k"]
+    "name",
+    ["micro", "tiny_frontier", "tiny_ablations", "tiny_beyond", "gpt2_imdb", "llama2_7b_gsm8k"],
 )
 def test_shipped_studies_validate(name):
     from .helpers import ROOT
