@@ -24,7 +24,7 @@ import click
 import typer
 from rich.markup import escape
 
-from cory_lora.config import SECTIONS, load_recipe
+from cory_lora.config import PER_AGENT, SECTIONS, load_recipe
 from cory_lora.console import make_console
 from cory_lora.errors import ENVIRONMENT_ERRNOS, Stopped, UserError, os_error_message
 from cory_lora.interrupts import Interrupted
@@ -513,6 +513,16 @@ def describe_keys() -> str:
             shown = "(required)" if f.metadata.get("required") else f"`{toml_value(default)}`"
             out.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
         out.append("")
+    settable = ", ".join(f"`{s}.{k}`" for s, keys in PER_AGENT.items() for k in keys)
+    out += [
+        "## [[agents]]",
+        "",
+        'Heterogeneous agents: one table per agent that differs, `name = "llmK"` and any of '
+        f"{settable}, as inline tables (e.g. `lora = {{ r = 16 }}`, `ppo = {{ learning_rate = "
+        "5e-6 }`); the agent's other keys are the recipe's. The base stays shared; agents of the "
+        "same LoRA shape start as copies of llm1. Not settable with `--set`.",
+        "",
+    ]
     return "\n".join(out)
 
 

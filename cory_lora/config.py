@@ -399,6 +399,31 @@ class LogConfig:
     )
 
 
+# What an [[agents]] table may set for one agent: its LoRA shape, learning rate and initial KL
+# coefficient. Everything else is shared (one base, one task, one schedule).
+PER_AGENT = {
+    "lora": ("r", "alpha", "dropout", "target_modules"),
+    "ppo": ("learning_rate", "init_kl_coef"),
+}
+
+
+@dataclass(frozen=True)
+class AgentOverride:
+    """One [[agents]] table: `name` and the keys it sets, by section (validated values)."""
+
+    name: str
+    lora: dict = field(default_factory=dict)
+    ppo: dict = field(default_factory=dict)
+
+    def table(self) -> dict:
+        sections = {s: dict(getattr(self, s)) for s in PER_AGENT if getattr(self, s)}
+        return {"name": self.name, **{s: _listed(t) for s, t in sections.items()}}
+
+
+def _listed(table: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in table.items()}
+
+
 @dataclass(frozen=True)
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -411,6 +436,7 @@ class Recipe:
     reset: ResetConfig = field(default_factory=ResetConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    agent_overrides: tuple[AgentOverride, ...] = ()  # [[agents]]: heterogeneous agents
 
     @property
     def agents(self) -> tuple[str, ...]:
@@ -418,8 +444,23 @@ class Recipe:
         n = self.cory.agents if self.train.algorithm == "cory" else 1
         return tuple(f"llm{k}" for k in range(1, n + 1))
 
+    def _override(self, name: str) -> AgentOverride | None:
+        return next((o for o in self.agent_overrides if o.name == name), None)
 
-SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
+    def lora_of(self, name: str) -> LoraConfig:
+        """Agent `name`'s LoRA shape: [lora] with its [[agents]] table's keys."""
+        override = self._override(name)
+        return dataclasses.replace(self.lora, **override.lora) if override else self.lora
+
+    def ppo_of(self, name: str) -> PPOConfig:
+        """Agent `name`'s PPO settings: [ppo] with its [[agents]] table's keys."""
+        override = self._override(name)
+        return dataclasses.replace(self.ppo, **override.ppo) if override else self.ppo
+
+
+SECTIONS: dict[str, type] = {
+    name: cls for name, cls in typing.get_type_hints(Recipe).items() if name != "agent_overrides"
+}
 
 
 # --------------------------------------------------------------------------- loading
@@ -450,6 +491,7 @@ def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
         _apply_override(raw, text, problems)
+    agent_tables = raw.pop("agents", [])
     sections = {}
     for name, value in raw.items():
         if name not in SECTIONS:
@@ -468,12 +510,58 @@ def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
     # Bad values were left at their defaults above, so the recipe can be built and checked for
     # consistency now: every problem is reported in one go. A consistency problem that involves
     # a key already reported would talk about a default the user did not write: left out.
-    recipe = Recipe(**sections)
+    per_agent = _agent_overrides(agent_tables, sections, problems)
+    recipe = Recipe(**sections, agent_overrides=per_agent)
     reported = {key for p in problems for key in p.keys}
     problems.extend(c for c in _cross_checks(recipe) if not reported.intersection(c.keys))
     if problems:
         raise ConfigError(problems)
     return recipe
+
+
+def _agent_overrides(tables, sections: dict, problems: list[Problem]) -> tuple:
+    """The [[agents]] tables, validated like the sections they override; problems name the
+    agent and the key."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        problems.append(Problem(("agents",), "agents: expected [[agents]] tables"))
+        return ()
+    out, seen = [], set()
+    for i, table in enumerate(tables, start=1):
+        table = dict(table)
+        name = table.pop("name", None)
+        where = f"[[agents]] #{i}" if not isinstance(name, str) else f"[[agents]] {name}"
+        if not isinstance(name, str) or not re.fullmatch(r"llm[1-9]\d*", name):
+            problems.append(Problem(("agents",), f'{where}: needs name = "llmK" (the agent)'))
+            continue
+        if name in seen:
+            problems.append(Problem(("agents",), f"{where}: a second table for the same agent"))
+            continue
+        seen.add(name)
+        keys = {}
+        for section, value in table.items():
+            allowed = PER_AGENT.get(section)
+            if allowed is None or not isinstance(value, dict):
+                known = ", ".join(f"{s}.{k}" for s, ks in PER_AGENT.items() for k in ks)
+                problems.append(
+                    Problem(("agents",), f"{where}: {section}: not settable per agent ({known})")
+                )
+                continue
+            for key in value:
+                if key not in allowed:
+                    problems.append(
+                        Problem(
+                            ("agents",),
+                            f"{where}: {section}.{key} is shared by every agent (per agent: "
+                            f"{', '.join(f'{section}.{k}' for k in allowed)})",
+                        )
+                    )
+            wanted = {k: v for k, v in value.items() if k in allowed}
+            found: list[Problem] = []
+            built = _build_section(section, SECTIONS[section], wanted, found)
+            problems.extend(Problem(("agents",), f"{where}: {p.text}") for p in found)
+            keys[section] = {k: getattr(built, k) for k in wanted}
+        out.append(AgentOverride(name, keys.get("lora", {}), keys.get("ppo", {})))
+    return tuple(out)
 
 
 def _apply_override(raw: dict, text: str, problems: list[Problem]) -> None:
@@ -590,6 +678,15 @@ def _cross_checks(r: Recipe) -> list[Problem]:
     def problem(keys: str, text: str) -> None:
         problems.append(Problem(tuple(keys.split()), text))
 
+    for override in r.agent_overrides:
+        if override.name not in r.agents:
+            problem(
+                "agents",
+                f"[[agents]] {override.name}: the recipe trains {', '.join(r.agents)} "
+                "(cory.agents, train.algorithm)",
+            )
+        elif not r.lora_of(override.name).target_modules:
+            problem("agents", f"[[agents]] {override.name}: lora.target_modules: name a module")
     p, g = r.ppo, r.generation
     episodes = p.batch_size * g.samples_per_query
     if episodes % p.minibatch_size:
@@ -756,14 +853,12 @@ def _show(value) -> str:
 
 
 def to_dict(recipe: Recipe) -> dict:
-    """The recipe as plain TOML-able tables: {section: {key: value}} (tuples become lists)."""
-    return {
-        name: {
-            k: list(v) if isinstance(v, tuple) else v
-            for k, v in dataclasses.asdict(section).items()
-        }
-        for name, section in ((f.name, getattr(recipe, f.name)) for f in dataclasses.fields(recipe))
-    }
+    """The recipe as plain TOML-able tables: {section: {key: value}} (tuples become lists),
+    and, when it has [[agents]] tables, "agents": [{name, section: {key: value}}]."""
+    out = {name: _listed(dataclasses.asdict(getattr(recipe, name))) for name in SECTIONS}
+    if recipe.agent_overrides:
+        out["agents"] = [o.table() for o in recipe.agent_overrides]
+    return out
 
 
 def greedy(recipe: Recipe) -> Recipe:

@@ -325,22 +325,34 @@ def load_agents(recipe: Recipe, tokenizer=None) -> Agents:
 
     tokenizer = tokenizer or load_tokenizer(recipe.model)
     base = load_base_model(recipe.model)
-    lora = peft.LoraConfig(
-        r=recipe.lora.r,
-        lora_alpha=recipe.lora.alpha,
-        lora_dropout=recipe.lora.dropout,
-        target_modules=_target_modules(recipe.lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
+
+    def lora_config(name: str):
+        shape = recipe.lora_of(name)  # [lora], with the agent's [[agents]] keys
+        return peft.LoraConfig(
+            r=shape.r,
+            lora_alpha=shape.alpha,
+            lora_dropout=shape.dropout,
+            target_modules=_target_modules(shape.target_modules),
+            task_type="CAUSAL_LM",
+        )
+
     names = recipe.agents
     torch.manual_seed(recipe.train.seed)
-    try:
-        model = peft.get_peft_model(base, lora, adapter_name=names[0])
-    except ValueError as e:  # e.g. target modules not found in the base model
-        raise UserError(f"lora.target_modules = {list(recipe.lora.target_modules)}: {e}") from None
-    for name in names[1:]:
-        model.add_adapter(name, lora)
-        _copy_adapter(model, names[0], name)
+    model = None
+    for name in names:
+        try:
+            if model is None:
+                model = peft.get_peft_model(base, lora_config(name), adapter_name=name)
+            else:
+                model.add_adapter(name, lora_config(name))
+        except ValueError as e:  # e.g. target modules not found in the base model
+            targets = list(recipe.lora_of(name).target_modules)
+            where = "" if recipe.lora_of(name) == recipe.lora else f"[[agents]] {name}: "
+            raise UserError(f"{where}lora.target_modules = {targets}: {e}") from None
+        if name != names[0] and recipe.lora_of(name) == recipe.lora_of(names[0]):
+            _copy_adapter(model, names[0], name)  # the paper duplicates the model
+        # An agent of another shape starts from its own random A and zero B: the base all the
+        # same, as every LoRA adapter does.
     model.set_adapter(names[0])
     heads = torch.nn.ModuleDict()
     if recipe.ppo.advantage == "gae":  # critic-free advantages need no value head

@@ -143,7 +143,12 @@ def check_holds_a_run(path: Path) -> None:
 def recipe_toml(recipe: Recipe) -> str:
     """The resolved recipe as TOML that `config.load_recipe` reads back to an equal Recipe."""
     lines = []
-    for section, table in to_dict(recipe).items():
+    tables = to_dict(recipe)
+    for agent in tables.pop("agents", []):  # [[agents]] tables, before the sections
+        lines.append("[[agents]]")
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in agent.items())
+        lines.append("")
+    for section, table in tables.items():
         lines.append(f"[{section}]")
         lines.extend(f"{key} = {toml_value(value)}" for key, value in table.items())
         lines.append("")

@@ -88,12 +88,15 @@ def estimate(recipe: Recipe) -> MemoryPlan:
         dtype = torch.bfloat16  # what `auto` gives on a recent GPU
     width = torch.finfo(dtype).bits // 8
     head = model.get_output_embeddings()
-    linear = other = lora = 0
+    linear = other = 0
+    lora = dict.fromkeys(recipe.agents, 0)  # LoRA parameters of each agent (its own shape)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
             linear += module.weight.numel()
-            if _is_target(name, recipe.lora.target_modules):
-                lora += recipe.lora.r * (module.in_features + module.out_features)
+            for agent in lora:
+                shape = recipe.lora_of(agent)
+                if _is_target(name, shape.target_modules):
+                    lora[agent] += shape.r * (module.in_features + module.out_features)
     total = sum(p.numel() for p in model.parameters())
     other = total - linear
     if recipe.model.load_in_4bit:
@@ -108,7 +111,7 @@ def estimate(recipe: Recipe) -> MemoryPlan:
     )
     n_agents = len(recipe.agents)
     head = hidden + 1 if recipe.ppo.advantage == "gae" else 0  # critic-free: no value head
-    per_agent = 16 * (lora + head)
+    agents_bytes = sum(16 * (n + head) for n in lora.values())  # fp32 weight, grad, 2 moments
 
     g = recipe.generation
     prompt, new = recipe.data.max_prompt_tokens, g.max_new_tokens
@@ -129,14 +132,14 @@ def estimate(recipe: Recipe) -> MemoryPlan:
     training = activations + logits
     parts = {
         "base weights": base,
-        f"adapters + optimizer ({n_agents} agent{'s' * (n_agents > 1)})": n_agents * per_agent,
+        f"adapters + optimizer ({n_agents} agent{'s' * (n_agents > 1)})": agents_bytes,
         "generation: KV cache": kv_cache,
         "generation: prefill activations": prefill,
         "training: activations"
         + (" (checkpointed)" if recipe.model.gradient_checkpointing else ""): activations,
         "training: response logits": logits,
     }
-    working = base + n_agents * per_agent + max(generation, training)
+    working = base + agents_bytes + max(generation, training)
     reserve = 0.5 * GB + 0.1 * working
     parts["CUDA context + fragmentation reserve"] = reserve
     return MemoryPlan(parts, working + reserve)

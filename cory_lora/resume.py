@@ -19,6 +19,7 @@ from cory_lora.outputs import RunDir, nothing_to_resume
 from cory_lora.state import TrainerState
 
 RESUME_REFUSED = (
+    "agents",
     "model.name_or_path",
     "model.load_in_4bit",
     "model.dtype",
@@ -48,7 +49,9 @@ def resume_differences(old: Recipe, new: Recipe) -> tuple[list[str], list[str]]:
     """(refused, noted): dotted keys whose values differ, split by what a resume allows.
     Keys in neither list above (PPO and sampling settings, say) are allowed but noted."""
     before, after = to_dict(old), to_dict(new)
-    changed = [
+    # per-agent LoRA shapes and learning settings ([[agents]]): another run if they change
+    agents_changed = ["agents"] if before.pop("agents", []) != after.pop("agents", []) else []
+    changed = agents_changed + [
         f"{section}.{key}"
         for section, table in after.items()
         for key, value in table.items()
@@ -127,8 +130,8 @@ def restore(run_dir: RunDir, recipe: Recipe, agents: Agents, state: TrainerState
             "ones sample from fresh (seed, rank) generators (the run goes on, but differs from "
             "one resumed with the same number of processes)"
         )
-    for agent in state.agents.values():  # the recipe, not the checkpoint, sets the learning rate
+    for name, agent in state.agents.items():  # the recipe, not the checkpoint, sets the rate
         for group in agent.optimizer.param_groups:
-            group["lr"] = recipe.ppo.learning_rate
+            group["lr"] = recipe.ppo_of(name).learning_rate
     run_dir.truncate_logs(state.iteration)
     say(f"resuming from {checkpoints[-1].name} ({state.iteration} iterations done)")

@@ -47,7 +47,7 @@ def _kl_controller(cfg: PPOConfig) -> ppo.KLController:
 
 
 def new_agent_state(agents: Agents, name: str, recipe: Recipe) -> AgentState:
-    cfg = recipe.ppo
+    cfg = recipe.ppo_of(name)  # its own learning rate and initial KL coefficient
     optimizer = torch.optim.AdamW(
         agents.trainable_parameters(name), lr=cfg.learning_rate, weight_decay=cfg.weight_decay
     )

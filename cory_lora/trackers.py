@@ -283,6 +283,7 @@ class MlflowSink:
                 {
                     f"{section}.{key}": str(value)[:6000]
                     for section, table in to_dict(recipe).items()
+                    if isinstance(table, dict)  # [[agents]] are in the config.toml below
                     for key, value in table.items()
                 }
             )

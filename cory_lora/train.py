@@ -179,8 +179,8 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     # 1. Roles: exchanged every cory.swap_every iterations (optionally restarting the agents).
     roles = roles_at(state.iteration, recipe.cory.swap_every, agents.names)
     if recipe.cory.reset_on_swap and exchanges_roles_at(state.iteration, recipe.cory.swap_every):
-        for agent in state.agents.values():
-            agent.restart(recipe.ppo)
+        for name, agent in state.agents.items():
+            agent.restart(recipe.ppo_of(name))
     # 2. Rollout: the pioneer answers, then the observer answers after reading it; both scored.
     # (Each query generation.samples_per_query times in a row: a critic-free advantage's group.)
     queries = distributed.my_share(state.order.next(recipe.ppo.batch_size))
