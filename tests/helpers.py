@@ -76,7 +76,9 @@ def episode_of(agents, recipe, roles, n: int, seed: int = 0):
 def adapter_state(agents, name: str) -> dict[str, torch.Tensor]:
     """Agent `name`'s LoRA weights and value head, by parameter name."""
     state = {n: p for n, p in agents.model.named_parameters() if is_lora_of(n, name)}
-    state.update({f"value_head.{k}": v for k, v in agents.value_heads[name].state_dict().items()})
+    if name in agents.value_heads:  # none with a critic-free ppo.advantage
+        head = agents.value_heads[name].state_dict()
+        state.update({f"value_head.{k}": v for k, v in head.items()})
     return state
 
 

@@ -102,6 +102,26 @@ def test_no_second_copy_of_the_base(tiny_recipe, four_bit):
     assert parameter_bytes(cory) - parameter_bytes(single) == one_agent
 
 
+@pytest.mark.parametrize("advantage", ["gae", "rloo"])
+def test_each_extra_agent_adds_one_adapter_and_nothing_else(tiny_recipe, advantage):
+    """To the byte: agent k + 1 adds its adapter, and its value head only when the advantage
+    needs one (N = 1 -> 2 -> 3, 4-bit)."""
+    keys = {"ppo": {"advantage": advantage}, "generation": {"samples_per_query": 2}}
+    one = load_agents(tiny_recipe(model={"load_in_4bit": True}, train={"algorithm": "ppo"}, **keys))
+    two = load_agents(tiny_recipe(model={"load_in_4bit": True}, **keys))
+    three = load_agents(tiny_recipe(model={"load_in_4bit": True}, cory={"agents": 3}, **keys))
+
+    def agent_bytes(agents, name):
+        return sum(t.numel() * t.element_size() for t in adapter_state(agents, name).values())
+
+    head = sum(p.numel() * p.element_size() for p in two.value_heads.parameters()) // 2
+    assert (head > 0) == (advantage == "gae")
+    adapter = agent_bytes(two, "llm2") - head
+    assert adapter > 0
+    assert parameter_bytes(two) - parameter_bytes(one) == adapter + head
+    assert parameter_bytes(three) - parameter_bytes(two) == adapter + head
+
+
 def test_4bit_base_is_quantised_and_passes_gradients_on_cpu(tiny_recipe):
     import bitsandbytes as bnb
 
