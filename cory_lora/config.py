@@ -234,6 +234,15 @@ class PPOConfig:
         "also the scoring batch. Must divide minibatch_size.",
         gt=0,
     )
+    micro_batch_tokens: int = _opt(
+        0,
+        "Cap on the tokens (rows x prompt-plus-response width) of a scoring or update "
+        "micro-batch: a batch of longer sequences (the observer's, which hold the pioneer's "
+        "answer) is cut into fewer rows each, so its activations peak no higher than the "
+        "pioneer's; at least 1 row, at most micro_batch_size. Gradient accumulation makes the "
+        "update the same. 0: micro_batch_size rows always.",
+        ge=0,
+    )
     epochs: int = _opt(4, "PPO epochs over each batch.", gt=0)
     gamma: float = _opt(1.0, "Discount factor.", ge=0, le=1)
     lam: float = _opt(0.95, "GAE lambda.", ge=0, le=1)

@@ -198,6 +198,14 @@ def sequences(gen: Generation) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def micro_batch_rows(micro_batch_size: int, micro_batch_tokens: int, width: int) -> int:
+    """Rows per micro-batch for sequences `width` tokens wide: micro_batch_size, or fewer when
+    ppo.micro_batch_tokens caps the tokens (never fewer than 1)."""
+    if not micro_batch_tokens:
+        return micro_batch_size
+    return max(1, min(micro_batch_size, micro_batch_tokens // width))
+
+
 def _agent_and_reference(agents: Agents, name: str, gen: Generation, micro_batch_size: int):
     """Per micro-batch of episodes: (rows, agent logits [b, T+1, V], agent hidden [b, T+1, H],
     reference logits [b, T+1, V]) over the response positions (T = response width)."""
@@ -246,7 +254,10 @@ def make_rollout(
     input_ids, attention_mask = sequences(gen)
     response_ids, mask = gen.response_ids, gen.response_mask.float()
     parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
-    batches = _agent_and_reference(agents, name, gen, cfg.micro_batch_size)
+    per_micro_batch = micro_batch_rows(
+        cfg.micro_batch_size, cfg.micro_batch_tokens, input_ids.shape[1]
+    )
+    batches = _agent_and_reference(agents, name, gen, per_micro_batch)
     for rows, logits, hidden, ref_logits in batches:
         resp = response_ids[rows]
         logprobs = _logprobs(logits, resp, temperature)
@@ -322,6 +333,9 @@ def ppo_update(
     params = agents.trainable_parameters(name)
     T = rollout.response_ids.shape[1]
     rows_here = len(rollout.input_ids)
+    micro_rows = micro_batch_rows(
+        cfg.micro_batch_size, cfg.micro_batch_tokens, rollout.input_ids.shape[1]
+    )
     # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
     keys = (
         "policy",
@@ -346,7 +360,7 @@ def ppo_update(
                     minibatch = _my_rows(minibatch, rows_here)
                     n_tokens = distributed.all_sum(rollout.mask[minibatch].sum()).clamp(min=1)
                     state.optimizer.zero_grad(set_to_none=True)
-                    for rows in minibatch.split(cfg.micro_batch_size):
+                    for rows in minibatch.split(micro_rows):
                         rows = rows.to(rollout.mask.device)
                         logits, hidden = agents.forward(
                             rollout.input_ids[rows], rollout.attention_mask[rows], T + 1

@@ -252,3 +252,23 @@ def test_saved_adapters_load_with_plain_peft(agents, tmp_path):
             logits = loaded(input_ids=ids, attention_mask=mask).logits
         real = mask.bool()  # padded positions have no meaning
         assert torch.allclose(logits[real], agent_logits(a, name)[real], atol=1e-5)
+
+
+def test_micro_batch_tokens_cuts_long_sequences_into_fewer_rows_and_changes_no_update(tiny_recipe):
+    from cory_lora.update import micro_batch_rows
+
+    assert micro_batch_rows(8, 0, 62) == 8  # off: micro_batch_size rows
+    assert micro_batch_rows(8, 248, 31) == 8  # the pioneer's width: the cap is not reached
+    assert micro_batch_rows(8, 248, 62) == 4  # twice as wide (the observer's): half the rows
+    assert micro_batch_rows(8, 10, 62) == 1  # never fewer than one row
+    after = {}
+    for tokens in (0, 1):  # 1: one row per micro-batch, 2 x the micro-batches of the recipe's
+        recipe = tiny_recipe(ppo={"micro_batch_tokens": tokens})
+        a = load_agents(recipe)
+        one_update(a, recipe, "llm1")
+        after[tokens] = snapshot(a, "llm1")
+    assert any(
+        not torch.equal(v, torch.zeros_like(v)) for k, v in after[0].items() if "lora_B" in k
+    )
+    for key, value in after[0].items():
+        assert torch.allclose(after[1][key], value, atol=1e-6), key
