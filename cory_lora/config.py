@@ -291,6 +291,13 @@ class PPOConfig:
         ge=0,
     )
 
+    def micro_batch_rows(self, width: int) -> int:
+        """Rows per micro-batch of sequences `width` tokens wide: micro_batch_size, or fewer when
+        micro_batch_tokens caps the tokens (never fewer than 1)."""
+        if not self.micro_batch_tokens:
+            return self.micro_batch_size
+        return max(1, min(self.micro_batch_size, self.micro_batch_tokens // width))
+
 
 @dataclass(frozen=True)
 class CoryConfig:

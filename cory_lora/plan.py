@@ -120,7 +120,8 @@ def estimate(recipe: Recipe) -> MemoryPlan:
     prefill = gen_batch * prompt * (4 * hidden + 2 * inter) * width
     generation = kv_cache + prefill
 
-    tokens = recipe.ppo.micro_batch_size * (prompt + new)
+    rows = recipe.ppo.micro_batch_rows(prompt + new)  # the longest sequences' micro-batch
+    tokens = rows * (prompt + new)
     per_layer_token = width * (8 * hidden + 2 * kv_dim + 4 * inter) + 2 * 2 * hidden * 4
     if recipe.model.gradient_checkpointing:
         activations = tokens * (layers * hidden * width + per_layer_token)
@@ -128,7 +129,7 @@ def estimate(recipe: Recipe) -> MemoryPlan:
         activations = tokens * layers * per_layer_token
     vocab = config.vocab_size
     # logits in the compute dtype, their float32 copy and log-softmax, and its gradient
-    logits = recipe.ppo.micro_batch_size * (new + 1) * vocab * (width + 4 + 4)
+    logits = rows * (new + 1) * vocab * (width + 4 + 4)
     training = activations + logits
     parts = {
         "base weights": base,

@@ -198,14 +198,6 @@ def sequences(gen: Generation) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def micro_batch_rows(micro_batch_size: int, micro_batch_tokens: int, width: int) -> int:
-    """Rows per micro-batch for sequences `width` tokens wide: micro_batch_size, or fewer when
-    ppo.micro_batch_tokens caps the tokens (never fewer than 1)."""
-    if not micro_batch_tokens:
-        return micro_batch_size
-    return max(1, min(micro_batch_size, micro_batch_tokens // width))
-
-
 def _agent_and_reference(agents: Agents, name: str, gen: Generation, micro_batch_size: int):
     """Per micro-batch of episodes: (rows, agent logits [b, T+1, V], agent hidden [b, T+1, H],
     reference logits [b, T+1, V]) over the response positions (T = response width)."""
@@ -254,10 +246,7 @@ def make_rollout(
     input_ids, attention_mask = sequences(gen)
     response_ids, mask = gen.response_ids, gen.response_mask.float()
     parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
-    per_micro_batch = micro_batch_rows(
-        cfg.micro_batch_size, cfg.micro_batch_tokens, input_ids.shape[1]
-    )
-    batches = _agent_and_reference(agents, name, gen, per_micro_batch)
+    batches = _agent_and_reference(agents, name, gen, cfg.micro_batch_rows(input_ids.shape[1]))
     for rows, logits, hidden, ref_logits in batches:
         resp = response_ids[rows]
         logprobs = _logprobs(logits, resp, temperature)
@@ -333,9 +322,7 @@ def ppo_update(
     params = agents.trainable_parameters(name)
     T = rollout.response_ids.shape[1]
     rows_here = len(rollout.input_ids)
-    micro_rows = micro_batch_rows(
-        cfg.micro_batch_size, cfg.micro_batch_tokens, rollout.input_ids.shape[1]
-    )
+    micro_rows = cfg.micro_batch_rows(rollout.input_ids.shape[1])
     # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
     keys = (
         "policy",

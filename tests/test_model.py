@@ -255,12 +255,15 @@ def test_saved_adapters_load_with_plain_peft(agents, tmp_path):
 
 
 def test_micro_batch_tokens_cuts_long_sequences_into_fewer_rows_and_changes_no_update(tiny_recipe):
-    from cory_lora.update import micro_batch_rows
+    from cory_lora.config import PPOConfig
 
-    assert micro_batch_rows(8, 0, 62) == 8  # off: micro_batch_size rows
-    assert micro_batch_rows(8, 248, 31) == 8  # the pioneer's width: the cap is not reached
-    assert micro_batch_rows(8, 248, 62) == 4  # twice as wide (the observer's): half the rows
-    assert micro_batch_rows(8, 10, 62) == 1  # never fewer than one row
+    def rows(tokens, width):
+        return PPOConfig(micro_batch_size=8, micro_batch_tokens=tokens).micro_batch_rows(width)
+
+    assert rows(0, 62) == 8  # off: micro_batch_size rows
+    assert rows(248, 31) == 8  # the pioneer's width: the cap is not reached
+    assert rows(248, 62) == 4  # twice as wide (the observer's): half the rows
+    assert rows(10, 62) == 1  # never fewer than one row
     after = {}
     for tokens in (0, 1):  # 1: one row per micro-batch, 2 x the micro-batches of the recipe's
         recipe = tiny_recipe(ppo={"micro_batch_tokens": tokens})
