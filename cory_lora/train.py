@@ -305,7 +305,8 @@ def out_of_memory_message(run_dir: RunDir) -> str:
     )
     return (
         "out of GPU memory. Lower generation.batch_size (KV cache), ppo.micro_batch_size "
-        "(activations), generation.max_new_tokens or data.max_prompt_tokens, or set "
+        "(activations; ppo.micro_batch_tokens caps the observer's longer ones), "
+        "generation.max_new_tokens or data.max_prompt_tokens, or set "
         "model.gradient_checkpointing = true / model.load_in_4bit = true; `cory-lora plan RECIPE` "
         "estimates the peak." + resume
     )
