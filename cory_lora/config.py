@@ -526,7 +526,7 @@ def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
     # Bad values were left at their defaults above, so the recipe can be built and checked for
     # consistency now: every problem is reported in one go. A consistency problem that involves
     # a key already reported would talk about a default the user did not write: left out.
-    per_agent = _agent_overrides(agent_tables, sections, problems)
+    per_agent = _agent_overrides(agent_tables, problems)
     recipe = Recipe(**sections, agent_overrides=per_agent)
     reported = {key for p in problems for key in p.keys}
     problems.extend(c for c in _cross_checks(recipe) if not reported.intersection(c.keys))
@@ -535,7 +535,7 @@ def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
     return recipe
 
 
-def _agent_overrides(tables, sections: dict, problems: list[Problem]) -> tuple:
+def _agent_overrides(tables, problems: list[Problem]) -> tuple:
     """The [[agents]] tables, validated like the sections they override; problems name the
     agent and the key."""
     if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):

@@ -57,9 +57,6 @@ class Roles:
         """The last to answer (the observer of a pair); None alone."""
         return self.order[-1] if len(self.order) > 1 else None
 
-    def swapped(self) -> Roles:
-        return Roles(*reversed(self.order))
-
     def rotated(self, k: int) -> Roles:
         k %= len(self.order)
         return Roles(*self.order[k:], *self.order[:k])

@@ -96,13 +96,6 @@ def all_sum(tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def all_mean(value: float) -> float:
-    """The mean over ranks of a float (a mean over equal shares is the global mean)."""
-    if world_size() == 1:
-        return value
-    return float(all_sum(torch.tensor(value, dtype=torch.float64, device=_device()))) / world_size()
-
-
 def global_mean(values: torch.Tensor) -> float:
     """The mean of every rank's values together (NaN if any is; nan for no values)."""
     if world_size() == 1:

@@ -33,7 +33,7 @@ def _style(agent: str) -> str:
     return AGENT_STYLES.get(agent, "-")
 
 
-def _agents(rows: list[dict]) -> list[str]:
+def agent_names(rows: list[dict]) -> list[str]:
     """The agents a run's metrics name (llm1, llm2, ...), in order."""
     names = {key.split("/")[0] for m in rows for key in m if key.endswith("/task_reward")}
     return sorted((n for n in names if re.fullmatch(r"llm\d+", n)), key=lambda n: int(n[3:]))
@@ -121,7 +121,7 @@ def plot_runs(run_dirs: list[Path], out: Path, smooth: int = 10) -> Path:
     for r, (run_dir, rows) in enumerate(runs):
         colour = colours[r % len(colours)]
         name, eta = _run_label(run_dir)
-        agents = _agents(rows)
+        agents = agent_names(rows)
         x = [m["iteration"] for m in rows]
         for ax, (key, title) in zip(axes, PANELS, strict=False):
             for agent in agents:

@@ -21,6 +21,7 @@ import numpy as np
 
 from cory_lora.errors import UserError
 from cory_lora.outputs import atomic_file, atomic_write_text, read_jsonl, toml_value
+from cory_lora.plots import agent_names
 from cory_lora.study import STATE_FILE
 
 METRICS = ("task_reward", "kl", "combined_reward")
@@ -47,7 +48,7 @@ def summarise(values: list[float], seed: int = 0) -> dict:
 def run_final(metrics: list[dict], window: int) -> dict[str, float | None]:
     """A run's final-window means: over its last `window` iterations and over its agents."""
     tail = metrics[-window:]
-    agents = sorted({k.split("/")[0] for k in tail[0] if k.startswith("llm")}) if tail else []
+    agents = agent_names(tail)
     out = {}
     for key in METRICS:
         values = [m[f"{a}/{key}"] for m in tail for a in agents if m.get(f"{a}/{key}") is not None]

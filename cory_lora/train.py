@@ -154,7 +154,9 @@ def prepare(
         if distributed.is_main()
         else Trackers({})
     )
-    evaluator = Evaluator(recipe, agents, reward, held_out, ks=(1,), n=1) if held_out else None
+    evaluator = None  # rank 0 alone evaluates (and writes); the others go on to the next batch
+    if held_out and distributed.is_main():
+        evaluator = Evaluator(recipe, agents, reward, held_out, ks=(1,), n=1)
     setup = Setup(recipe, agents, prompts, reward, stopping, run_dir, display, trackers, evaluator)
     return setup, state
 
@@ -218,7 +220,7 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     )
     metrics["time/generation_s"] = generated - started
     metrics["time/iteration_s"] = time.perf_counter() - started
-    if setup.evaluator and eval_due(recipe, state.iteration) and distributed.is_main():
+    if setup.evaluator and eval_due(recipe, state.iteration):
         metrics |= evaluate_agents(setup, state.iteration)
     setup.run_dir.append("metrics.jsonl", [metrics])
     records = samples(state.iteration, episode, recipe.log.samples_per_iteration)

@@ -141,10 +141,10 @@ def _update_or_skip(
     if distributed.any_rank(reward_problem is not None):
         return Skipped(reward_problem or "NaN/inf rewards on another process", None, None, kl_coef)
     rollout = make_rollout(agents, name, generation, scores, state, cfg, temperature, group_size)
-    kl = distributed.all_mean(float(rollout.sequence_kl.mean()))
+    kl = distributed.global_mean(rollout.sequence_kl)
     # The controller follows the KL the penalty uses (k1, k3 or full), summed per episode, as
     # TRL 0.x's does; `kl` (always k1) is what we report, so runs compare whatever the penalty.
-    kl_penalty = distributed.all_mean(float(rollout.kl.sum(1).mean()))
+    kl_penalty = distributed.global_mean(rollout.kl.sum(1))
     problem = first_non_finite(rollout)
     if distributed.any_rank(problem is not None):
         where = problem or "rollout on another process"

@@ -160,8 +160,8 @@ def test_ppo_step_changes_only_the_updated_agent_and_never_the_reference(agents)
 
 def test_swapping_roles_twice_is_the_identity():
     roles = Roles("llm1", "llm2")
-    assert roles.swapped() == Roles("llm2", "llm1")
-    assert roles.swapped().swapped() == roles
+    assert roles.rotated(1) == Roles("llm2", "llm1")
+    assert roles.rotated(1).rotated(1) == roles
     names = ("llm1", "llm2")
     for i in range(20):
         assert roles_at(i + 2 * 3, 3, names) == roles_at(i, 3, names)
@@ -228,7 +228,7 @@ def test_after_a_swap_each_role_is_played_by_the_other_adapter(agents):
         assert episode.observer_generation.texts == greedy_answers(
             a, observer, observer_prompts, recipe
         )
-        roles = roles.swapped()
+        roles = roles.rotated(1)
     # the agents differ, so the exchange is visible in the answers
     assert greedy_answers(a, "llm1", episode.pioneer_prompts, recipe) != greedy_answers(
         a, "llm2", episode.pioneer_prompts, recipe

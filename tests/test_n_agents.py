@@ -34,7 +34,7 @@ def test_positions_rotate_so_every_agent_plays_every_position():
     ]
     assert {roles_at(i, 0, THREE) for i in range(9)} == {Roles(*THREE)}
     # two agents: rotating by one is the paper's role exchange
-    assert roles_at(1, 1, ("llm1", "llm2")) == Roles("llm1", "llm2").swapped()
+    assert roles_at(1, 1, ("llm1", "llm2")) == Roles("llm2", "llm1")
 
 
 def _episode(rewards: list[list[float]]) -> Episode:
