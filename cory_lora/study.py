@@ -95,16 +95,18 @@ class Study:
     arms: dict = field(default_factory=dict)  # name -> partial recipe (section -> key -> value)
 
     def runs(self) -> list[Run]:
-        """Every (arm, grid point, seed), arms in file order, then grid points, then seeds."""
+        """Every (arm, grid point, seed): seeds outermost, then grid points, then arms in file
+        order, so that a study stopped part-way (or cut short by a session's end) has compared
+        every arm at every grid point on the same seeds, rather than finished one arm."""
         keys = list(self.grid)
         points = [
             dict(zip(keys, values, strict=True))
             for values in itertools.product(*(self.grid[k] for k in keys))
         ]
         out = []
-        for arm, table in self.arms.items():
+        for seed in self.seeds:
             for point in points:
-                for seed in self.seeds:
+                for arm, table in self.arms.items():
                     overrides = (
                         *self.overrides,
                         *_arm_overrides(table),
@@ -234,12 +236,27 @@ def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study
 
 
 def run_state(run_dir: Path) -> str:
-    """`done` (final adapters written), `resume` (a checkpoint to continue from), `fresh`."""
-    if (run_dir / "final").is_dir():
+    """`done` (final adapters written, or the run's records complete: a study kept in a
+    repository without its adapters and checkpoints), `resume` (a checkpoint to continue from),
+    `fresh`."""
+    if (run_dir / "final").is_dir() or records_complete(run_dir):
         return "done"
     if list(run_dir.glob("checkpoints/iter-*")):
         return "resume"
     return "fresh"
+
+
+def records_complete(run_dir: Path) -> bool:
+    """Whether the run's metrics hold every iteration its config.toml asks for, with no
+    checkpoint to resume (what a finished run leaves once its adapters are deleted)."""
+    config, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"
+    if list(run_dir.glob("checkpoints/iter-*")) or not (config.is_file() and metrics.is_file()):
+        return False
+    try:
+        wanted = tomllib.loads(config.read_text(encoding="utf-8"))["train"]["iterations"]
+        return len(read_jsonl(metrics)) >= int(wanted)
+    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return False
 
 
 def cli_command(*args, processes: int = 1) -> list[str]:

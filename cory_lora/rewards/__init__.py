@@ -34,12 +34,14 @@ from cory_lora.rewards.builtin import exact_match
 from cory_lora.rewards.gsm8k import gsm8k_accuracy
 from cory_lora.rewards.http import http_reward
 from cory_lora.rewards.sentiment import sentiment_reward
+from cory_lora.rewards.vader import vader_positivity
 
 BUILTIN: dict[str, Callable] = {
     "exact_match": exact_match,
     "gsm8k_accuracy": gsm8k_accuracy,
     "http_reward": http_reward,
     "sentiment_reward": sentiment_reward,
+    "vader_positivity": vader_positivity,
 }
 # Keyword parameters a reward may declare; they are filled from the recipe (see load_reward).
 RECIPE_PARAMETERS = ("model_name", "device", "batch_size", "url", "timeout_s", "retries")
@@ -53,6 +55,7 @@ __all__ = [
     "http_reward",
     "load_reward",
     "sentiment_reward",
+    "vader_positivity",
 ]
 
 

