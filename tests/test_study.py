@@ -75,15 +75,38 @@ def test_study_file_errors_are_listed_at_once(tmp_path):
         assert text in " ".join(result.output.split())
 
 
-def test_runs_are_named_by_arm_grid_point_and_seed(study_file):
+def test_runs_are_named_by_arm_grid_point_and_seed_and_run_seed_by_seed(study_file):
     _, runs = load_study(study_file(ARMS, "[grid]\n'ppo.init_kl_coef' = [0.05, 0.2]"))
-    assert [r.id for r in runs][:3] == [
+    # seeds outermost: a study cut short has compared every arm at every point on its seeds
+    assert [r.id for r in runs][:5] == [
         "cory/ppo.init_kl_coef=0.05/seed-0",
-        "cory/ppo.init_kl_coef=0.05/seed-1",
+        "ppo/ppo.init_kl_coef=0.05/seed-0",
         "cory/ppo.init_kl_coef=0.2/seed-0",
+        "ppo/ppo.init_kl_coef=0.2/seed-0",
+        "cory/ppo.init_kl_coef=0.05/seed-1",
     ]
     assert len(runs) == 8
-    assert "train.seed=1" in runs[1].overrides and "ppo.init_kl_coef=0.05" in runs[1].overrides
+    assert "train.seed=1" in runs[4].overrides and "ppo.init_kl_coef=0.05" in runs[4].overrides
+
+
+def test_a_run_kept_as_records_only_counts_as_done(tmp_path):
+    """A study kept in a repository holds each run's config, metrics, samples and eval, not its
+    adapters or checkpoints: such a run is finished, not to be run again."""
+    from cory_lora.study import run_state
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("[train]\niterations = 3\n")
+    write_jsonl(run / "metrics.jsonl", [{"iteration": i} for i in (1, 2)])
+    assert run_state(run) == "fresh"  # two of three iterations, no checkpoint: start again
+    (run / "checkpoints" / "iter-000002").mkdir(parents=True)
+    assert run_state(run) == "resume"
+    write_jsonl(run / "metrics.jsonl", [{"iteration": i} for i in (1, 2, 3)])
+    assert run_state(run) == "resume"  # a checkpoint says the process did not finish
+    (run / "checkpoints" / "iter-000002").rmdir()
+    assert run_state(run) == "done"
+    (run / "config.toml").write_text("[train\n")  # damaged: not known to be finished
+    assert run_state(run) == "fresh"
 
 
 def test_killed_study_resumes_skipping_finished_runs(study_file, tmp_path):
@@ -220,7 +243,16 @@ def test_bootstrap_interval_by_hand():
 
 @pytest.mark.parametrize(
     "name",
-    ["micro", "tiny_frontier", "tiny_ablations", "tiny_beyond", "gpt2_imdb", "llama2_7b_gsm8k"],
+    [
+        "micro",
+        "tiny_frontier",
+        "tiny_ablations",
+        "tiny_beyond",
+        "gpt2_imdb",
+        "llama2_7b_gsm8k",
+        "smollm2_sentiment_frontier",
+        "smollm2_arith_frontier",
+    ],
 )
 def test_shipped_studies_validate(name):
     from .helpers import ROOT
