@@ -23,6 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
+from cory_lora import fetch
 from cory_lora.config import Recipe, load_recipe
 from cory_lora.errors import UserError, first_line
 from cory_lora.model import (
@@ -130,8 +131,17 @@ def _write_merged(recipe: Recipe, adapter: Path, out: Path, device: str):
 # --------------------------------------------------------------------------- the model card
 
 
+def _card_base(recipe: Recipe) -> str:
+    """The base a model card names: a fetched model by its hub id (where its weights come
+    from), anything else as the recipe names it."""
+    name = recipe.model.name_or_path
+    if fetch.is_fetched_name(name) and not fetch.unknown_name_problem(name):
+        return fetch.MODELS[name.removeprefix(fetch.PREFIX)].hub_id
+    return name
+
+
 def _front_matter(recipe: Recipe, merged: bool) -> str:
-    base = recipe.model.name_or_path
+    base = _card_base(recipe)
     tags = ["cory-lora", "cory", "ppo", "reinforcement-learning", "lora"]
     tags += ["merged"] if merged else ["peft"]
     lines = ["---"]
@@ -194,7 +204,7 @@ def _training_summary(run_dir: Path, agent: str) -> str:
 
 
 def model_card(recipe: Recipe, run_dir: Path, agent: str, merged: bool = False, dtype=None) -> str:
-    base = recipe.model.name_or_path
+    base = _card_base(recipe)
     algorithm = (
         "CORY ([Ma et al., NeurIPS 2024](https://arxiv.org/abs/2410.06101)): two LoRA agents "
         "on one shared base "
@@ -225,6 +235,12 @@ def model_card(recipe: Recipe, run_dir: Path, agent: str, merged: bool = False, 
             "from transformers import AutoModelForCausalLM\n\n"
             f"base = AutoModelForCausalLM.from_pretrained({json.dumps(base)})\n"
             'model = PeftModel.from_pretrained(base, "THIS_DIR_OR_REPO")\n```\n'
+        )
+    if base != recipe.model.name_or_path:
+        use += (
+            f"Trained on `{recipe.model.name_or_path}`: {base}'s weights as cory-lora fetches "
+            "them from a package registry (dequantised from a Q4_1 GGUF), so the original hub "
+            "weights differ from the trained-on base by that quantisation error.\n"
         )
     config = (run_dir / "config.toml").read_text(encoding="utf-8").strip()
     lines = [

@@ -393,6 +393,13 @@ def _target_modules(modules: tuple[str, ...]):
 
 def _load_error(cfg: ModelConfig, error: Exception) -> UserError:
     reason = first_line(error)
+    if fetch.is_fetched_name(cfg.name_or_path):
+        name = cfg.name_or_path.removeprefix(fetch.PREFIX)
+        return UserError(
+            f"model.name_or_path = {cfg.name_or_path!r}: the fetched model in "
+            f"{fetch.model_dir(name)} does not load ({reason}); delete that directory and run "
+            f"`cory-lora fetch {name}` again"
+        )
     if Path(cfg.name_or_path).is_dir():
         return UserError(f"model.name_or_path = {cfg.name_or_path!r}: cannot load it: {reason}")
     return UserError(

@@ -2,7 +2,7 @@
 
 cli → report → train / evaluate / export / study → resume / interrupts → checkpoint / metrics /
 plots / trackers / heldout → cory / update → state / plan → model → data / generation / rewards /
-outputs → config → errors / faults / ppo / console / tiny / elastic.
+outputs → config → distributed / fetch → errors / faults / ppo / console / tiny / elastic.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from .helpers import ROOT
 
 LAYERS = [
     {"errors", "faults", "ppo", "console", "tiny", "elastic"},
-    {"distributed"},
+    {"distributed", "fetch"},
     {"config"},
     {"outputs", "data", "generation", "rewards"},
     {"model"},
