@@ -27,7 +27,7 @@ import torch
 from cory_lora import fetch
 from cory_lora.config import GenerationConfig
 from cory_lora.generation import Stopping, generate
-from cory_lora.model import resolve_device
+from cory_lora.model import resolve_device, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,8 +38,7 @@ def load(args):
     from cory_lora.model import keep_4bit_differentiable_on_cpu, nf4_config
 
     device = resolve_device(args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else None
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = resolve_dtype(args.dtype, device)
     quant = nf4_config(dtype) if args.four_bit else None
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=dtype, quantization_config=quant, device_map={"": device}

@@ -827,11 +827,11 @@ def _cross_checks(r: Recipe) -> list[Problem]:
             f"reward.function = {_show(r.reward.function)}: expected module:function, "
             "e.g. my_rewards:score",
         )
-    if is_fetched_name(r.model.name_or_path) and unknown_name_problem(r.model.name_or_path):
-        problem(
-            "model.name_or_path",
-            f"model.name_or_path = {unknown_name_problem(r.model.name_or_path)}",
-        )
+    unfetchable = is_fetched_name(r.model.name_or_path) and unknown_name_problem(
+        r.model.name_or_path
+    )
+    if unfetchable:
+        problem("model.name_or_path", f"model.name_or_path = {unfetchable}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", r.model.device):
         problem(
             "model.device",

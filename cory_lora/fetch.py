@@ -80,10 +80,11 @@ def is_fetched_name(name_or_path: str) -> bool:
 
 def unknown_name_problem(name_or_path: str) -> str | None:
     """The problem with a `fetched:NAME`, if NAME is not one we can fetch (None if fine)."""
-    name = name_or_path.removeprefix(PREFIX)
-    if name in MODELS:
-        return None
-    return f"{name_or_path!r}: no such fetchable model (known: {', '.join(sorted(MODELS))})"
+    return None if name_or_path.removeprefix(PREFIX) in MODELS else _no_such_model(name_or_path)
+
+
+def _no_such_model(shown: str) -> str:
+    return f"{shown!r}: no such fetchable model (known: {', '.join(sorted(MODELS))})"
 
 
 def is_complete(name: str) -> bool:
@@ -104,7 +105,7 @@ def resolve(name_or_path: str, say: Callable[[str], None] = print) -> str:
 def fetch(name: str, say: Callable[[str], None] = print) -> Path:
     """Fetch model `name` into the cache unless it is there; return its directory."""
     if name not in MODELS:
-        raise UserError(f"{name!r}: no such fetchable model (known: {', '.join(sorted(MODELS))})")
+        raise UserError(_no_such_model(name))
     spec, target = MODELS[name], model_dir(name)
     if is_complete(name):
         return target

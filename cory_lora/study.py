@@ -239,18 +239,18 @@ def run_state(run_dir: Path) -> str:
     """`done` (final adapters written, or the run's records complete: a study kept in a
     repository without its adapters and checkpoints), `resume` (a checkpoint to continue from),
     `fresh`."""
-    if (run_dir / "final").is_dir() or records_complete(run_dir):
+    if (run_dir / "final").is_dir():
         return "done"
     if list(run_dir.glob("checkpoints/iter-*")):
         return "resume"
-    return "fresh"
+    return "done" if records_complete(run_dir) else "fresh"
 
 
 def records_complete(run_dir: Path) -> bool:
-    """Whether the run's metrics hold every iteration its config.toml asks for, with no
-    checkpoint to resume (what a finished run leaves once its adapters are deleted)."""
+    """Whether the run's metrics hold every iteration its config.toml asks for (what a finished
+    run leaves once its adapters and checkpoints are deleted)."""
     config, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"
-    if list(run_dir.glob("checkpoints/iter-*")) or not (config.is_file() and metrics.is_file()):
+    if not (config.is_file() and metrics.is_file()):
         return False
     try:
         wanted = tomllib.loads(config.read_text(encoding="utf-8"))["train"]["iterations"]

@@ -61,17 +61,25 @@ def same_tokens(a: torch.Tensor, b: torch.Tensor, pad_id: int) -> bool:
     return torch.equal(pad(a), pad(b))
 
 
+def greedy_equals_generate(model, tokenizer, prompts, max_new_tokens) -> torch.Tensor:
+    """Assert our greedy tokens equal `generate`'s for `prompts`; return generate's tokens.
+    Micro-batches of 2 also exercise stitching uneven chunks back together."""
+    expected = hf_greedy(model, tokenizer, prompts, max_new_tokens)
+    got = ours(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=0.0, batch_size=2
+    )
+    assert same_tokens(
+        got.response_ids * got.response_mask,
+        expected * (expected != tokenizer.pad_token_id),
+        tokenizer.pad_token_id,
+    )
+    return expected
+
+
 def test_greedy_equals_transformers_generate_with_left_padding_and_an_active_adapter(agents):
     tok = agents.tokenizer
     with agents.use("llm1"):
-        expected = hf_greedy(agents.model, tok, PROMPTS, 12)
-        # micro-batches of 2 also exercise stitching uneven chunks back together
-        got = ours(agents.model, tok, PROMPTS, max_new_tokens=12, temperature=0.0, batch_size=2)
-    assert same_tokens(
-        got.response_ids * got.response_mask,
-        expected * (expected != tok.pad_token_id),
-        tok.pad_token_id,
-    )
+        expected = greedy_equals_generate(agents.model, tok, PROMPTS, 12)
     with agents.reference():
         base_expected = hf_greedy(agents.model, tok, PROMPTS, 12)
     assert not torch.equal(base_expected, expected), "the adapter should change the greedy output"

@@ -17,7 +17,7 @@ from cory_lora.config import load_recipe
 from cory_lora.model import load_agents, load_tokenizer
 
 from .helpers import ROOT, invoke, read_jsonl
-from .test_generation import hf_greedy, ours, same_tokens
+from .test_generation import greedy_equals_generate
 
 SENTIMENT = ROOT / "recipes" / "smollm2_sentiment.toml"
 
@@ -41,20 +41,13 @@ def test_the_fetched_model_is_smollm2_and_loads_without_gguf(smollm2):
 def test_greedy_equals_transformers_generate_on_the_real_model(smollm2):
     recipe = load_recipe(SENTIMENT, ["model.dtype=float32"])
     agents = load_agents(recipe)
-    tok = agents.tokenizer
     prompts = [
         "I rented The Silent Harbor last weekend and",
         "The plot of this film",
         "Tom has 3 apples and gets 4 more. How many apples does Tom have now?",
     ]
     with agents.reference():
-        expected = hf_greedy(agents.model, tok, prompts, 16)
-        got = ours(agents.model, tok, prompts, max_new_tokens=16, temperature=0.0, batch_size=2)
-    assert same_tokens(
-        got.response_ids * got.response_mask,
-        expected * (expected != tok.pad_token_id),
-        tok.pad_token_id,
-    )
+        greedy_equals_generate(agents.model, agents.tokenizer, prompts, 16)
 
 
 def test_two_cory_iterations_on_the_real_model_give_adapters_plain_peft_loads(smollm2, tmp_path):
