@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from cory_lora import fetch
 from cory_lora.config import GenerationConfig
-from cory_lora.generation import Stopping, generate
-from cory_lora.model import resolve_device, resolve_dtype
+from cory_lora.engine.generation import Stopping, generate
+from cory_lora.engine.model import resolve_device, resolve_dtype
+from cory_lora.services import fetch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cory_lora.model import keep_4bit_differentiable_on_cpu, nf4_config
+    from cory_lora.engine.model import keep_4bit_differentiable_on_cpu, nf4_config
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from cory_lora.config import load_recipe
-from cory_lora.tiny import char_tokenizer, tiny_llama_config
+from cory_lora.engine.tiny import char_tokenizer, tiny_llama_config
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA2_7B = dict(hidden_size=4096, layers=32, heads=32, max_positions=4096)
@@ -55,9 +55,9 @@ def one_iteration(recipe_path: Path, overrides: list[str], out: Path) -> tuple[f
     """(peak GPU memory in GiB, iteration seconds) of one training iteration."""
     from rich.console import Console
 
-    from cory_lora.console import Display
-    from cory_lora.outputs import RunDir
-    from cory_lora.train import run
+    from cory_lora.cli.console import Display
+    from cory_lora.run.outputs import RunDir
+    from cory_lora.run.train import run
 
     recipe = load_recipe(recipe_path, overrides)
     gc.collect()  # the previous run's model must be gone before measuring this one

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
-import dataclasses
 import gc
 import inspect
 import io
@@ -61,7 +60,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cory_lora import fetch
+from cory_lora.services import fetch
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "tiny_cpu.toml"
@@ -101,7 +100,7 @@ def missing_keys(config: Configuration) -> list[str]:
         key = override.split("=", 1)[0]
         section, _, name = key.partition(".")
         known = SECTIONS.get(section)
-        if known is None or name not in {f.name for f in dataclasses.fields(known)}:
+        if known is None or name not in known.model_fields:
             missing.append(key)
     return missing
 
@@ -114,7 +113,7 @@ def build_model(path: Path) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from cory_lora.tiny import char_tokenizer
+    from cory_lora.engine.tiny import char_tokenizer
 
     tokenizer = char_tokenizer(vocab_size=50257)
     config = GPT2Config(
@@ -208,7 +207,7 @@ class AgentSteps:
     seconds, and the RSS (and CUDA) high-water after it; in a profiled run, its span."""
 
     def __init__(self, train_module, live: bool):
-        from cory_lora.cory import roles_at
+        from cory_lora.algorithm.cory import roles_at
 
         self.steps: list[dict] = []
         original = train_module.train_agent
@@ -245,10 +244,10 @@ def measure(args, config: Configuration, live: bool) -> dict:
     import torch
     from rich.console import Console
 
-    from cory_lora import train
+    from cory_lora.cli.console import Display
     from cory_lora.config import load_recipe
-    from cory_lora.console import Display
-    from cory_lora.outputs import RunDir
+    from cory_lora.run import train
+    from cory_lora.run.outputs import RunDir
 
     own = [o.replace("HALF", str(max(1, args.batch // 2))) for o in config.overrides]
     recipe = load_recipe(RECIPE, overrides(args) + own)

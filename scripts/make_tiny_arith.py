@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaForCausalLM
 
-from cory_lora.tiny import char_tokenizer, tiny_llama_config
+from cory_lora.engine.tiny import char_tokenizer, tiny_llama_config
 
 MAX_OPERAND = 49
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cory_lora.config import recipe_from_dict
-from cory_lora.tiny import char_tokenizer, tiny_llama_config
+from cory_lora.engine.tiny import char_tokenizer, tiny_llama_config
 
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from cory_lora import distributed
+from cory_lora.algorithm.cory import Roles, play_episode
+from cory_lora.algorithm.state import TrainerState, seed_everything
+from cory_lora.algorithm.update import train_agent
 from cory_lora.config import recipe_from_dict
-from cory_lora.cory import Roles, play_episode
-from cory_lora.data import load_prompts
-from cory_lora.model import load_agents, load_tokenizer
+from cory_lora.engine.data import load_prompts
+from cory_lora.engine.model import load_agents, load_tokenizer
 from cory_lora.rewards import load_reward
-from cory_lora.state import TrainerState, seed_everything
-from cory_lora.update import train_agent
+from cory_lora.services import distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.conftest import tiny_recipe_dict

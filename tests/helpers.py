@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from cory_lora.cli import app
-from cory_lora.model import is_lora_of
-from cory_lora.outputs import toml_value
+from cory_lora.config import toml_value
+from cory_lora.engine.model import is_lora_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,15 +50,15 @@ def cli_command(*args, env_extra: dict | None = None) -> tuple[list[str], dict]:
 
 
 def run_cli_process(*args, kill_at: str | None = None, timeout: int = 300):
-    """The CLI as a real process; `kill_at` makes it SIGKILL itself there (cory_lora.faults)."""
+    """The CLI as a real process; `kill_at` makes it SIGKILL itself there (services/faults.py)."""
     command, env = cli_command(*args, env_extra={"CORY_LORA_KILL_AT": kill_at} if kill_at else None)
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def episode_of(agents, recipe, roles, n: int, seed: int = 0):
     """A real episode of the first n training prompts, rewarded by the recipe's reward."""
-    from cory_lora.cory import play_episode
-    from cory_lora.data import load_prompts
+    from cory_lora.algorithm.cory import play_episode
+    from cory_lora.engine.data import load_prompts
     from cory_lora.rewards import load_reward
 
     prompts = load_prompts(recipe.data).take(list(range(n)))

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cory_lora import ppo
+from cory_lora.algorithm import ppo
+from cory_lora.algorithm.cory import Roles, draw_response_length, exchanges_roles_at, roles_at
+from cory_lora.algorithm.elastic import AdapterEMA
+from cory_lora.algorithm.state import new_agent_state
+from cory_lora.algorithm.update import make_rollout, ppo_update, train_agent
 from cory_lora.config import recipe_from_dict
-from cory_lora.cory import Roles, draw_response_length, exchanges_roles_at, roles_at
-from cory_lora.elastic import AdapterEMA
+from cory_lora.engine.model import load_agents
 from cory_lora.errors import ConfigError
-from cory_lora.model import load_agents
-from cory_lora.state import new_agent_state
-from cory_lora.update import make_rollout, ppo_update, train_agent
 
 from .conftest import tiny_recipe_dict
 from .helpers import episode_of, invoke, read_jsonl, write_recipe

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cory_lora.engine.model import load_base_model
 from cory_lora.errors import ConfigError, UserError
-from cory_lora.model import load_base_model
 
 
 def test_default_is_sdpa_and_it_reaches_the_model(tiny_recipe):

@@ -8,9 +8,8 @@ import sys
 import pytest
 
 from cory_lora.cli import describe_keys
-from cory_lora.config import load_recipe, recipe_from_dict
+from cory_lora.config import load_recipe, recipe_from_dict, recipe_toml
 from cory_lora.errors import ConfigError
-from cory_lora.outputs import recipe_toml
 
 from .helpers import ROOT
 
@@ -131,6 +130,22 @@ def test_bad_overrides_are_reported():
     assert 'train.iterations = "many": expected an integer' in joined
     assert "--set 'nokey': expected section.key=value" in joined
     assert "train.nope: unknown key" in joined
+
+
+def test_an_override_that_is_neither_toml_nor_a_bare_word_is_refused():
+    # Two TOML strings side by side used to be taken as the bare word '"a" "b"'.
+    joined = "\n".join(problems_of(MINIMAL, ['data.dataset="a" "b"', "data.split=[1"]))
+    assert """--set 'data.dataset="a" "b"': not a TOML value or a bare word""" in joined
+    assert "--set 'data.split=[1': not a TOML value or a bare word" in joined
+    assert recipe_from_dict(MINIMAL, ["data.dataset=org/name with space"]).data.dataset == (
+        "org/name with space"
+    )
+
+
+def test_a_misspelt_key_gets_the_close_names():
+    joined = "\n".join(problems_of(MINIMAL, ["ppo.learning_rat=1e-5", "ppo.lr=1"]))
+    assert "ppo.learning_rat: unknown key (did you mean learning_rate?)" in joined
+    assert "ppo.lr: unknown key" in joined
 
 
 def test_resolved_recipe_round_trips(tmp_path):

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from cory_lora import ppo
+from cory_lora.algorithm import ppo
 from cory_lora.config import ConfigError
-from cory_lora.model import load_agents
+from cory_lora.engine.model import load_agents
 
 from .conftest import tiny_recipe_dict
 from .helpers import ROOT, invoke, read_jsonl, write_recipe

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cory_lora import distributed
 from cory_lora.errors import UserError
+from cory_lora.services import distributed
 
 from .conftest import tiny_recipe_dict
 from .helpers import ROOT, invoke, read_jsonl, write_recipe
@@ -180,7 +180,7 @@ def test_a_study_runs_each_run_under_torchrun(tmp_path, tiny_model_dir, arith_fi
 
 
 def test_under_torchrun_each_rank_takes_the_gpu_of_its_local_rank(monkeypatch):
-    from cory_lora.model import resolve_device
+    from cory_lora.engine.model import resolve_device
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")

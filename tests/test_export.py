@@ -14,13 +14,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from cory_lora import export as export_module
 from cory_lora.cli import app
-from cory_lora.config import recipe_from_dict
-from cory_lora.export import export_agent, model_card
-from cory_lora.model import load_agents
-from cory_lora.outputs import recipe_toml
-from cory_lora.tiny import char_tokenizer, tiny_llama_config
+from cory_lora.config import recipe_from_dict, recipe_toml
+from cory_lora.engine.model import load_agents
+from cory_lora.engine.tiny import char_tokenizer, tiny_llama_config
+from cory_lora.integrations import export as export_module
+from cory_lora.integrations.export import export_agent, model_card
 
 from .conftest import tiny_recipe_dict
 

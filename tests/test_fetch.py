@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from cory_lora import fetch
 from cory_lora.config import recipe_from_dict
 from cory_lora.errors import ConfigError, UserError
+from cory_lora.services import fetch
 
 GGUF_BYTES = b"GGUF pretend weights" * 100
 

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cory_lora.config import GenerationConfig
-from cory_lora.generation import Stopping, cut_at_stop, generate
-from cory_lora.model import load_agents
+from cory_lora.engine.generation import Stopping, cut_at_stop, generate
+from cory_lora.engine.model import load_agents
 
 from .helpers import ROOT
 

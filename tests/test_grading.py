@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from cory_lora.heldout import pass_at_k
 from cory_lora.rewards import gsm8k_accuracy
 from cory_lora.rewards.gsm8k import extract_answer
+from cory_lora.run.heldout import pass_at_k
 
 GOLD = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
 

@@ -8,12 +8,11 @@ import json
 
 import pytest
 
-from cory_lora.config import ConfigError, recipe_from_dict
-from cory_lora.model import load_agents
-from cory_lora.outputs import recipe_toml
-from cory_lora.plan import estimate
-from cory_lora.resume import resume_differences
-from cory_lora.state import new_agent_state
+from cory_lora.algorithm.state import new_agent_state
+from cory_lora.config import ConfigError, recipe_from_dict, recipe_toml
+from cory_lora.engine.model import load_agents
+from cory_lora.engine.plan import estimate
+from cory_lora.run.resume import resume_differences
 
 from .conftest import tiny_recipe_dict
 from .helpers import invoke, write_recipe

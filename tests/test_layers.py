@@ -1,8 +1,9 @@
-"""Imports flow one way: a module imports only modules of lower layers (README, Layout).
+"""Imports flow one way between the package's parts (README, Layout; DESIGN.md):
 
-cli → report → train / evaluate / export / study → resume / interrupts → checkpoint / metrics /
-plots / trackers / heldout → cory / update → state / plan → model → data / generation / rewards /
-outputs → config → distributed / fetch → errors / faults / ppo / console / tiny / elastic.
+cli → integrations → science → run → algorithm → engine / rewards → config → services → errors.
+
+A module imports modules of its own part or of lower parts, never of a higher one, and no two
+modules import each other, directly or around a loop (function-level imports count).
 """
 
 from __future__ import annotations
@@ -13,51 +14,83 @@ import pytest
 
 from .helpers import ROOT
 
-LAYERS = [
-    {"errors", "faults", "ppo", "console", "tiny", "elastic"},
-    {"distributed", "fetch"},
-    {"config"},
-    {"outputs", "data", "generation", "rewards"},
-    {"model"},
-    {"state", "plan"},
-    {"cory", "update"},
-    {"checkpoint", "metrics", "plots", "trackers", "heldout"},
-    {"resume", "interrupts"},
-    {"train", "evaluate", "export", "study"},
-    {"report"},
-    {"cli"},
+PARTS = [
+    "errors",
+    "services",
+    "config",
+    "engine rewards",
+    "algorithm",
+    "run",
+    "science",
+    "integrations",
+    "cli",
 ]
-LAYER_OF = {module: i for i, layer in enumerate(LAYERS) for module in layer}
-MODULES = sorted(
-    p for p in (ROOT / "cory_lora").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")
-)
+LEVEL = {part: i for i, line in enumerate(PARTS) for part in line.split()}
+PACKAGE = ROOT / "cory_lora"
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__main__.py")
 
 
-def module_name(path) -> str:
-    """Top-level module of the package a file belongs to (rewards/gsm8k.py -> rewards)."""
-    return path.relative_to(ROOT / "cory_lora").parts[0].removesuffix(".py")
+def module_of(path) -> str:
+    """Dotted module name of a file: cory_lora/run/train.py -> run.train."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def part_of(module: str) -> str:
+    return module.split(".")[0]
 
 
 def imported_modules(path) -> set[str]:
-    """cory_lora modules a file imports, at any depth (function-level imports count)."""
+    """cory_lora modules a file imports, at any depth; `from cory_lora.run import train` names
+    run.train when that is a module."""
+    known = {module_of(p) for p in MODULES}
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cory_lora"):
-            parts = node.module.split(".")
-            found |= {a.name for a in node.names} if len(parts) == 1 else {parts[1]}
+            base = node.module.removeprefix("cory_lora").lstrip(".")
+            for alias in node.names:
+                inner = f"{base}.{alias.name}".lstrip(".")
+                found.add(inner if inner in known else base)
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("cory_lora.")}
-    return found
+            found |= {
+                a.name.removeprefix("cory_lora.") for a in node.names if "cory_lora." in a.name
+            }
+    return found - {""}
 
 
-def test_every_module_has_a_layer():
-    assert {module_name(p) for p in MODULES} <= LAYER_OF.keys()
+GRAPH = {module_of(p): imported_modules(p) - {module_of(p)} for p in MODULES}
+
+
+def test_every_module_belongs_to_a_part():
+    assert {part_of(m) for m in GRAPH if m} <= LEVEL.keys()
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_imports_flow_one_way(path):
-    own = module_name(path)
-    upward = [
-        m for m in imported_modules(path) - {own} if LAYER_OF.get(m, len(LAYERS)) >= LAYER_OF[own]
-    ]
-    assert not upward, f"{own} (layer {LAYER_OF[own]}) imports {upward}, not below it"
+    own = module_of(path)
+    if not own:
+        return
+    upward = [m for m in GRAPH[own] if LEVEL[part_of(m)] > LEVEL[part_of(own)]]
+    assert not upward, f"{own} ({part_of(own)}) imports {upward}, from a part above it"
+
+
+def test_no_import_cycles():
+    done, on_path = set(), []
+
+    def visit(module):
+        if module in on_path:
+            raise AssertionError("import cycle: " + " -> ".join([*on_path, module]))
+        if module in done:
+            return
+        on_path.append(module)
+        for target in GRAPH.get(module, ()):
+            # A package imports its own submodules to re-export them: not a cycle back into it.
+            if not target.startswith(f"{module}."):
+                visit(target)
+        on_path.pop()
+        done.add(module)
+
+    for module in GRAPH:
+        visit(module)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from cory_lora.cory import play_episode, roles_at
-from cory_lora.data import load_prompts
-from cory_lora.model import load_agents
+from cory_lora.algorithm.cory import play_episode, roles_at
+from cory_lora.algorithm.state import TrainerState
+from cory_lora.algorithm.update import UpdateStats, train_agent
+from cory_lora.engine.data import load_prompts
+from cory_lora.engine.model import load_agents
 from cory_lora.rewards import load_reward
-from cory_lora.state import TrainerState
-from cory_lora.update import UpdateStats, train_agent
 
 from .helpers import adapter_state
 

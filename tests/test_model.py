@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cory_lora.algorithm.cory import Roles, play_episode, roles_at
+from cory_lora.algorithm.state import new_agent_state
+from cory_lora.algorithm.update import make_rollout, ppo_update
 from cory_lora.config import greedy
-from cory_lora.cory import Roles, play_episode, roles_at
-from cory_lora.data import encode_prompts, format_prompt, load_prompts
-from cory_lora.model import load_agents
+from cory_lora.engine.data import encode_prompts, format_prompt, load_prompts
+from cory_lora.engine.model import load_agents
 from cory_lora.rewards import load_reward
-from cory_lora.state import new_agent_state
-from cory_lora.update import make_rollout, ppo_update
 
 from .helpers import adapter_state, episode_of, parameter_bytes
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cory_lora.algorithm.cory import Episode, Roles, roles_at
 from cory_lora.config import ConfigError
-from cory_lora.cory import Episode, Roles, roles_at
-from cory_lora.data import PromptSet
-from cory_lora.model import load_agents
+from cory_lora.engine.data import PromptSet
+from cory_lora.engine.model import load_agents
 
 from .conftest import tiny_recipe_dict
 from .helpers import episode_of, invoke, read_jsonl, write_recipe

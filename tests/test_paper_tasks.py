@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cory_lora.config import DataConfig, load_recipe
-from cory_lora.data import load_eval_prompts, load_prompts, render
+from cory_lora.engine.data import load_eval_prompts, load_prompts, render
+from cory_lora.engine.tiny import char_tokenizer
 from cory_lora.rewards import load_reward
-from cory_lora.tiny import char_tokenizer
 
 from .helpers import ROOT, invoke, write_jsonl
 
@@ -68,7 +68,7 @@ def tiny_classifier(tmp_path_factory):
     """A random 2-layer Llama sequence classifier with NEGATIVE/POSITIVE labels."""
     from transformers import LlamaForSequenceClassification
 
-    from cory_lora.tiny import tiny_llama_config
+    from cory_lora.engine.tiny import tiny_llama_config
 
     path = tmp_path_factory.mktemp("classifier")
     config = tiny_llama_config()
@@ -203,7 +203,7 @@ def test_memory_plan_of_the_7b_recipes(tmp_path):
         "max_position_embeddings": 4096,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    from cory_lora.plan import GB, estimate
+    from cory_lora.engine.plan import GB, estimate
 
     cory = estimate(
         load_recipe(ROOT / "recipes" / "llama2_7b_gsm8k.toml", [f"model.name_or_path={tmp_path}"])

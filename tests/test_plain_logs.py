@@ -10,8 +10,8 @@ import sys
 
 from rich.console import Console
 
-from cory_lora import console as console_module
-from cory_lora.console import PLAIN_WIDTH, Display, make_console
+from cory_lora.cli import console as console_module
+from cory_lora.cli.console import PLAIN_WIDTH, Display, make_console
 
 from .conftest import tiny_recipe_dict
 from .helpers import write_recipe
@@ -85,7 +85,7 @@ def test_the_live_view_needs_a_terminal_and_no_quiet():
 
 def test_the_cli_console_does_not_wrap_at_80_columns_in_a_pipe():
     code = (
-        "from cory_lora.console import make_console; c = make_console(); "
+        "from cory_lora.cli.console import make_console; c = make_console(); "
         "c.print('x' * 300); c.print('[bold]ok[/] ' + 'y ' * 100)"
     )
     env = {**os.environ, "COLUMNS": "40"}

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cory_lora import ppo
+from cory_lora.algorithm import ppo
 
 
 def close(a, b, tol=1e-5):

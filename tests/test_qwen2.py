@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from cory_lora.cli import app
 from cory_lora.config import load_recipe, recipe_from_dict
-from cory_lora.model import load_agents
-from cory_lora.plan import GB, estimate
-from cory_lora.tiny import char_tokenizer
+from cory_lora.engine.model import load_agents
+from cory_lora.engine.plan import GB, estimate
+from cory_lora.engine.tiny import char_tokenizer
 
 from .conftest import tiny_recipe_dict
 from .helpers import ROOT, write_recipe

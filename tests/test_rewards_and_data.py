@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from cory_lora.config import DataConfig
-from cory_lora.data import PromptOrder, encode_prompts, load_prompts
+from cory_lora.engine.data import PromptOrder, encode_prompts, load_prompts
+from cory_lora.engine.tiny import char_tokenizer
 from cory_lora.errors import UserError
 from cory_lora.rewards import RewardError, load_reward
-from cory_lora.tiny import char_tokenizer
 
 from .helpers import write_jsonl
 

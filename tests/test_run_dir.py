@@ -15,7 +15,7 @@ import pytest
 
 from cory_lora.config import load_recipe
 from cory_lora.errors import UserError
-from cory_lora.outputs import LOCK_FILE, RunDir, RunLock, snapshot_logs
+from cory_lora.run.outputs import LOCK_FILE, RunDir, RunLock, snapshot_logs
 
 from .conftest import tiny_recipe_dict
 from .helpers import write_recipe
@@ -116,7 +116,7 @@ def test_a_second_process_is_refused_and_the_first_is_unharmed(
 
 HOLD_LOCK = """
 import sys, time
-from cory_lora.outputs import RunLock
+from cory_lora.run.outputs import RunLock
 RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(600)

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from cory_lora.report import build_report, summarise
-from cory_lora.study import load_study
+from cory_lora.science.report import build_report, summarise
+from cory_lora.science.study import load_study
 
 from .conftest import tiny_recipe_dict
 from .helpers import cli_command, invoke, read_jsonl, write_jsonl, write_recipe
@@ -92,7 +92,7 @@ def test_runs_are_named_by_arm_grid_point_and_seed_and_run_seed_by_seed(study_fi
 def test_a_run_kept_as_records_only_counts_as_done(tmp_path):
     """A study kept in a repository holds each run's config, metrics, samples and eval, not its
     adapters or checkpoints: such a run is finished, not to be run again."""
-    from cory_lora.study import run_state
+    from cory_lora.science.study import run_state
 
     run = tmp_path / "run"
     run.mkdir()

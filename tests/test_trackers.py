@@ -16,8 +16,14 @@ from typer.testing import CliRunner
 from cory_lora.cli import app
 from cory_lora.config import recipe_from_dict
 from cory_lora.errors import ConfigError, UserError
-from cory_lora.outputs import RunDir
-from cory_lora.trackers import STATE_FILE, Trackers, check_trackers, open_trackers, scalars
+from cory_lora.integrations.trackers import (
+    STATE_FILE,
+    Trackers,
+    check_trackers,
+    open_trackers,
+    scalars,
+)
+from cory_lora.run.outputs import RunDir
 
 from .conftest import tiny_recipe_dict
 from .helpers import write_recipe

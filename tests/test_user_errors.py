@@ -240,12 +240,12 @@ def test_output_dir_exists(workspace):
 
 
 def test_out_of_gpu_memory_names_the_keys_to_lower(workspace, monkeypatch):
-    import cory_lora.train
+    import cory_lora.run.train
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(cory_lora.train, "play_episode", oom)
+    monkeypatch.setattr(cory_lora.run.train, "play_episode", oom)
     root, recipe = workspace
     out = root / "run"
     result = invoke("run", recipe(), "--output-dir", out, "--quiet")
@@ -425,12 +425,12 @@ def test_resume_without_checkpoints_or_with_the_log_deleted(run_copy):
 
 
 def test_ctrl_c_while_loading_says_what_is_left(run_copy, workspace, monkeypatch):
-    import cory_lora.train
+    import cory_lora.run.train
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cory_lora.train, "load_agents", interrupted)
+    monkeypatch.setattr(cory_lora.run.train, "load_agents", interrupted)
     resumed = invoke("resume", run_copy, "--set", "train.iterations=3")
     assert resumed.exit_code == 130
     assert "checkpoint, iter-000002, is intact" in " ".join(resumed.output.split())
@@ -445,7 +445,7 @@ def test_ctrl_c_while_loading_says_what_is_left(run_copy, workspace, monkeypatch
 def test_full_disk_during_a_checkpoint_keeps_the_older_ones(workspace, monkeypatch):
     import errno
 
-    import cory_lora.checkpoint
+    import cory_lora.run.checkpoint
 
     saves, real_save = [], torch.save
 
@@ -455,7 +455,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_older_ones(workspace, monkeypat
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_save(obj, path, *args, **kwargs)
 
-    monkeypatch.setattr(cory_lora.checkpoint.torch, "save", save)
+    monkeypatch.setattr(cory_lora.run.checkpoint.torch, "save", save)
     root, recipe = workspace
     out = root / "run"
     path = recipe(train={"iterations": 3, "checkpoint_every": 1})
@@ -465,7 +465,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_older_ones(workspace, monkeypat
     assert "checkpoint iter-000002 could not be written: No space left on device" in text
     assert "iter-000001, is intact" in text and f"cory-lora resume {out}" in text
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter-000001"]
-    monkeypatch.setattr(cory_lora.checkpoint.torch, "save", real_save)
+    monkeypatch.setattr(cory_lora.run.checkpoint.torch, "save", real_save)
     resumed = invoke("resume", out, "--quiet")
     assert resumed.exit_code == 0, resumed.output
     assert [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").open()] == [1, 2, 3]
@@ -474,7 +474,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_older_ones(workspace, monkeypat
 def test_full_disk_while_logging_says_which_checkpoint_is_left(workspace, monkeypatch):
     import errno
 
-    from cory_lora.outputs import RunDir
+    from cory_lora.run.outputs import RunDir
 
     real_append = RunDir.append
 
@@ -511,12 +511,12 @@ def test_reward_calling_sys_exit_in_training(workspace):
 
 
 def test_an_unforeseen_error_is_one_message_with_the_traceback_in_a_file(workspace, monkeypatch):
-    import cory_lora.train
+    import cory_lora.run.train
 
     def bug(*args, **kwargs):
         raise ValueError("something we did not foresee")
 
-    monkeypatch.setattr(cory_lora.train, "load_agents", bug)
+    monkeypatch.setattr(cory_lora.run.train, "load_agents", bug)
     monkeypatch.delenv("CORY_LORA_TRACEBACK")
     root, recipe = workspace
     result = invoke("run", recipe(), "--output-dir", root / "run", "--quiet")
@@ -530,7 +530,7 @@ def test_an_unforeseen_error_is_one_message_with_the_traceback_in_a_file(workspa
 
 
 def test_stopped_message_says_whether_a_checkpoint_exists(tmp_path):
-    from cory_lora.checkpoint import stopped_message
+    from cory_lora.run.checkpoint import stopped_message
 
     assert (
         stopped_message(tmp_path) == "stopped at once: before training began; nothing was written"

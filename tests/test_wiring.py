@@ -1,8 +1,8 @@
 """Issue 11 features that the training loop calls (trackers; the recipe's data section for the
 reward's completion format), end to end through the CLI.
 
-cory_lora/train.py makes those calls (see cory_lora/trackers.py and cory_lora/rewards/__init__.py
-for the interface)."""
+cory_lora/run/train.py makes those calls (see cory_lora/integrations/trackers.py and
+cory_lora/rewards/__init__.py for the interface)."""
 
 from __future__ import annotations
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from cory_lora.algorithm.cory import Roles, play_episode
+from cory_lora.algorithm.update import sequence_kl
 from cory_lora.config import greedy
-from cory_lora.cory import Roles, play_episode
-from cory_lora.data import PromptSet
-from cory_lora.generation import Generation
-from cory_lora.model import BASE
+from cory_lora.engine.data import PromptSet
+from cory_lora.engine.generation import Generation
+from cory_lora.engine.model import BASE
 from cory_lora.rewards import Reward
-from cory_lora.update import sequence_kl
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cory_lora import faults
 from cory_lora.config import GenerationConfig
 from cory_lora.errors import UserError
+from cory_lora.services import faults
 
 
 @dataclass(frozen=True)

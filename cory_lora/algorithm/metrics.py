@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from cory_lora import distributed
-from cory_lora.cory import Episode
-from cory_lora.state import AgentState
-from cory_lora.update import LOSS_KEYS, Skipped, UpdateStats
+from cory_lora.algorithm.cory import Episode
+from cory_lora.algorithm.state import AgentState
+from cory_lora.algorithm.update import LOSS_KEYS, Skipped, UpdateStats
+from cory_lora.services import distributed
 
 
 def finite_or_none(x: float) -> float | None:

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cory_lora import distributed, faults, ppo
+from cory_lora.algorithm import ppo
+from cory_lora.algorithm.state import AgentState
 from cory_lora.config import PPOConfig, Recipe
-from cory_lora.generation import Generation
-from cory_lora.model import Agents
-from cory_lora.state import AgentState
+from cory_lora.engine.generation import Generation
+from cory_lora.engine.model import Agents
+from cory_lora.services import distributed, faults
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ instead when CORY_LORA_TRACEBACK=1).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -24,11 +23,11 @@ import click
 import typer
 from rich.markup import escape
 
-from cory_lora.config import PER_AGENT, SECTIONS, load_recipe
-from cory_lora.console import make_console
+from cory_lora.cli.console import make_console
+from cory_lora.config import describe_keys, load_recipe, recipe_toml
 from cory_lora.errors import ENVIRONMENT_ERRNOS, Stopped, UserError, os_error_message
-from cory_lora.interrupts import Interrupted
-from cory_lora.outputs import check_holds_a_run, recipe_toml, toml_value
+from cory_lora.run.interrupts import Interrupted
+from cory_lora.run.outputs import check_holds_a_run
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -163,7 +162,7 @@ def resume(
 def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
     """Train in this process; under torchrun, in every rank's process (rank 0 checks, prints and
     writes; the others follow its decision and stay silent)."""
-    from cory_lora import distributed
+    from cory_lora.services import distributed
 
     distributed.start(config.model.device)  # torchrun: join the other ranks first
     console.quiet = not distributed.is_main()  # rank 0 speaks for the run (bugs still print)
@@ -181,23 +180,23 @@ GO, NOTHING_TO_DO, FAILED = 1, 0, -1  # rank 0's word to the other ranks before 
 
 
 def _train_follower(config, path: Path, resume: bool) -> None:
-    from cory_lora import distributed
-    from cory_lora.console import Display
-    from cory_lora.outputs import FollowerRunDir
+    from cory_lora.cli.console import Display
+    from cory_lora.run.outputs import FollowerRunDir
+    from cory_lora.services import distributed
 
     word = distributed.from_main(GO)
     if word != GO:
         raise typer.Exit(0 if word == NOTHING_TO_DO else 1)
     quiet_libraries()
-    from cory_lora.train import run as train_run
+    from cory_lora.run.train import run as train_run
 
     train_run(config, FollowerRunDir(path, resume), Display(console, quiet=True), resume=resume)
 
 
 def _train_main(config, source, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
-    from cory_lora import distributed
-    from cory_lora.outputs import RunDir
-    from cory_lora.trackers import check_trackers
+    from cory_lora.integrations.trackers import check_trackers
+    from cory_lora.run.outputs import RunDir
+    from cory_lora.services import distributed
 
     told = False
 
@@ -213,7 +212,7 @@ def _train_main(config, source, path: Path, overwrite: bool, quiet: bool, resume
         with run_dir.lock():  # this process is the directory's only writer until the run ends
             warning = None
             if resume:
-                from cory_lora.resume import check_resume
+                from cory_lora.run.resume import check_resume
 
                 check = check_resume(run_dir, config)
                 if check.complete:
@@ -233,7 +232,7 @@ def _train_main(config, source, path: Path, overwrite: bool, quiet: bool, resume
 
 
 def _echo_and_train(config, source, path, run_dir, quiet, resume, warning) -> None:
-    from cory_lora.console import Display
+    from cory_lora.cli.console import Display
 
     verb = "resuming" if resume else "recipe"
     console.print(
@@ -245,18 +244,25 @@ def _echo_and_train(config, source, path, run_dir, quiet, resume, warning) -> No
         console.print(warning, highlight=False, markup=False)
     try:
         quiet_libraries()
-        from cory_lora.train import run as train_run
+        from cory_lora.integrations.trackers import open_trackers
+        from cory_lora.run.train import run as train_run
+        from cory_lora.science.plots import plot_runs
 
         display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
-        train_run(config, run_dir, display, resume=resume)
+
+        def open_sink(done: int):
+            return open_trackers(config, run_dir.path, resume=resume, done=done)
+
+        train_run(config, run_dir, display, resume=resume, open_sink=open_sink)
+        plot_runs([run_dir.path], run_dir.path / "curves.png")
     except KeyboardInterrupt:  # before the loop's own handler (model loading), or after it
-        from cory_lora.checkpoint import stopped_message
+        from cory_lora.run.checkpoint import stopped_message
 
         raise Stopped(stopped_message(path, at_once=False)) from None
     except OSError as e:  # a full disk or a permission, writing the logs, say
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise
-        from cory_lora.checkpoint import what_is_left
+        from cory_lora.run.checkpoint import what_is_left
 
         message = f"{os_error_message(e, 'the run stopped')}; {what_is_left(path)}"
         raise UserError(message) from None
@@ -304,7 +310,7 @@ def eval_(
         if min(ks) < 1 or limit < 1 or n < 0:
             raise UserError("--k values and --limit must be positive, --n not negative")
         quiet_libraries()
-        from cory_lora.evaluate import evaluate
+        from cory_lora.science.evaluate import evaluate
 
         result = evaluate(run_dir, split, limit, ks, n)
     held_out = "" if result["held_out"] else " (training prompts, NOT held out)"
@@ -357,7 +363,7 @@ def sample(
         if not 0 <= seed < 2**63:
             raise UserError(f"--seed {seed}: expected an integer from 0 to 2^63 - 1")
         quiet_libraries()
-        from cory_lora.evaluate import sample_answers
+        from cory_lora.science.evaluate import sample_answers
 
         texts = sample_answers(run_dir, prompt, agent, n, greedy, seed)
     for i, text in enumerate(texts):
@@ -375,7 +381,7 @@ def plot(
 ) -> None:
     """Training curves of several runs in one figure, and their reward-KL plane."""
     with user_errors():
-        from cory_lora.plots import plot_runs
+        from cory_lora.science.plots import plot_runs
 
         path = plot_runs(run_dirs, out, max(1, smooth))
     console.print(f"written {path}", highlight=False, markup=False)
@@ -395,7 +401,7 @@ def plan(
         if not (math.isfinite(gpu_gb) and gpu_gb > 0):
             raise UserError(f"--gpu-gb {gpu_gb:g}: expected a positive number of GiB, such as 24")
         quiet_libraries()
-        from cory_lora.plan import GB, estimate
+        from cory_lora.engine.plan import GB, estimate
 
         memory = estimate(config)
     table = Table(title=escape(f"{recipe}: estimated peak GPU memory"))
@@ -425,9 +431,9 @@ def study(
     """Run every (arm, grid point, seed) of a study, then write its report. Run it again to
     resume: finished runs are skipped, an interrupted one resumes from its checkpoint."""
     with user_errors():
-        from cory_lora.console import StudyDisplay
-        from cory_lora.report import write_report
-        from cory_lora.study import StudyRunner, default_study_dir, load_study
+        from cory_lora.cli.console import StudyDisplay
+        from cory_lora.science.report import write_report
+        from cory_lora.science.study import StudyRunner, default_study_dir, load_study
 
         plan, runs = load_study(study_file, tuple(set_ or ()))
         path = default_study_dir(plan, str(output_dir) if output_dir else None)
@@ -458,7 +464,7 @@ def report(
 ) -> None:
     """(Re)write a study's report from its run directories: report.md, report.json, figures."""
     with user_errors():
-        from cory_lora.report import write_report
+        from cory_lora.science.report import write_report
 
         write_report(study_dir)
     console.print(f"written {study_dir / 'report.md'}", highlight=False)
@@ -486,8 +492,8 @@ def export(
     with user_errors():
         if merge:
             quiet_libraries()
-        from cory_lora.export import export_agent
-        from cory_lora.export import push_to_hub as push
+        from cory_lora.integrations.export import export_agent
+        from cory_lora.integrations.export import push_to_hub as push
 
         path = export_agent(run_dir, agent, out, merge=merge, device=device)
         console.print(f"written {path}", highlight=False)
@@ -508,7 +514,7 @@ def fetch_(
     run). Cache: $CORY_LORA_CACHE/models, default ~/.cache/cory-lora/models. A second call finds
     the model and does nothing.
     """
-    from cory_lora import fetch
+    from cory_lora.services import fetch
 
     with user_errors():
         say = lambda text: console.print(text, highlight=False, markup=False)  # noqa: E731
@@ -529,33 +535,5 @@ def keys() -> None:
     typer.echo(describe_keys())
 
 
-def describe_keys() -> str:
-    """Markdown documentation of every recipe key, generated from the recipe dataclasses."""
-    out = ["# Recipe keys", "", "Generated by `cory-lora keys` from `cory_lora/config.py`.", ""]
-    for section, cls in SECTIONS.items():
-        out += [f"## [{section}]", "", "| key | default | meaning |", "|---|---|---|"]
-        for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            default = list(default) if isinstance(default, tuple) else default
-            shown = "(required)" if f.metadata.get("required") else f"`{toml_value(default)}`"
-            out.append(f"| `{f.name}` | {shown} | {f.metadata['doc']} |")
-        out.append("")
-    settable = ", ".join(f"`{s}.{k}`" for s, keys in PER_AGENT.items() for k in keys)
-    out += [
-        "## [[agents]]",
-        "",
-        'Heterogeneous agents: one table per agent that differs, `name = "llmK"` and any of '
-        f"{settable}, as inline tables (e.g. `lora = {{ r = 16 }}`, `ppo = {{ learning_rate = "
-        "5e-6 }`); the agent's other keys are the recipe's. The base stays shared; agents of the "
-        "same LoRA shape start as copies of llm1. Not settable with `--set`.",
-        "",
-    ]
-    return "\n".join(out)
-
-
 def main() -> None:
     app()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

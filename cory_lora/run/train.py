@@ -32,35 +32,68 @@ finishes the iteration and checkpoints, the second stops at once (interrupts.py)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from cory_lora import distributed
-from cory_lora.checkpoint import list_checkpoints, save_checkpoint
-from cory_lora.config import Recipe
-from cory_lora.console import Display
-from cory_lora.cory import (
+from cory_lora.algorithm.cory import (
     Episode,
     draw_response_length,
     exchanges_roles_at,
     play_episode,
     roles_at,
 )
-from cory_lora.data import PromptSet, load_eval_prompts, load_prompts
+from cory_lora.algorithm.metrics import finite_or_none, iteration_metrics, samples
+from cory_lora.algorithm.state import TrainerState, seed_everything
+from cory_lora.algorithm.update import Skipped, UpdateStats, train_agent
+from cory_lora.config import Recipe
+from cory_lora.engine.data import PromptSet, load_eval_prompts, load_prompts
+from cory_lora.engine.generation import Stopping
+from cory_lora.engine.model import Agents, load_agents, load_tokenizer, resolve_device
 from cory_lora.errors import UserError
-from cory_lora.generation import Stopping
-from cory_lora.heldout import Evaluator
-from cory_lora.interrupts import GracefulStop, Interrupted
-from cory_lora.metrics import finite_or_none, iteration_metrics, samples
-from cory_lora.model import Agents, load_agents, load_tokenizer, resolve_device
-from cory_lora.outputs import RunDir, read_jsonl
-from cory_lora.plots import plot_runs
-from cory_lora.resume import restore
 from cory_lora.rewards import Reward, load_reward
-from cory_lora.state import TrainerState, seed_everything
-from cory_lora.trackers import Trackers, check_trackers, open_trackers
-from cory_lora.update import Skipped, UpdateStats, train_agent
+from cory_lora.run.checkpoint import list_checkpoints, save_checkpoint
+from cory_lora.run.heldout import Evaluator
+from cory_lora.run.interrupts import GracefulStop, Interrupted
+from cory_lora.run.outputs import RunDir, read_jsonl
+from cory_lora.run.resume import restore
+from cory_lora.services import distributed
+
+
+class Display(Protocol):
+    """What the loop reports progress to (the CLI hands in the rich `cli.console.Display`)."""
+
+    def message(self, text: str) -> None: ...
+    def warn_once(self, key: str, text: str) -> None: ...
+    def start(self, total: int, done: int = 0) -> None: ...
+    def update(self, metrics: dict, names: tuple[str, ...], total: int) -> None: ...
+    def stop(self) -> None: ...
+    def restore_terminal(self) -> None: ...
+    def summary(self, history: list[dict], names: tuple[str, ...], run_dir) -> None: ...
+
+
+class Sink(Protocol):
+    """Where each iteration's metrics and samples also go (the CLI hands in the trackers)."""
+
+    def log(self, metrics: dict, step: int) -> None: ...
+    def log_samples(self, records: list[dict], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+class NoSink:
+    def log(self, metrics: dict, step: int) -> None:
+        pass
+
+    def log_samples(self, records: list[dict], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+OpenSink = Callable[[int], Sink]  # iterations already done -> an open sink
 
 
 class TrainingStopped(UserError):
@@ -78,13 +111,20 @@ class Setup:
     stopping: Stopping
     run_dir: RunDir
     display: Display
-    trackers: Trackers
+    trackers: Sink
     evaluator: Evaluator | None  # train.eval_every: held-out evaluation during training
 
 
-def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False) -> list[dict]:
-    """Train as the recipe says; write everything under run_dir. Returns the metrics history."""
-    setup, state = prepare(recipe, run_dir, display, resume)
+def run(
+    recipe: Recipe,
+    run_dir: RunDir,
+    display: Display,
+    resume: bool = False,
+    open_sink: OpenSink | None = None,
+) -> list[dict]:
+    """Train as the recipe says; write everything under run_dir. Returns the metrics history
+    (empty on ranks other than 0). `open_sink` opens the trackers, on rank 0 only."""
+    setup, state = prepare(recipe, run_dir, display, resume, open_sink)
     display.start(recipe.train.iterations, done=state.iteration)
     try:
         with GracefulStop(display, run_dir.path) as stop:
@@ -104,8 +144,6 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
                     )
         display.stop()
         run_dir.save_final(setup.agents)
-        if distributed.is_main():
-            plot_runs([run_dir.path], run_dir.path / "curves.png")
         setup.trackers.close()
     except BaseException as e:
         setup.trackers.close()  # before a failed run's directory is removed
@@ -122,12 +160,11 @@ def run(recipe: Recipe, run_dir: RunDir, display: Display, resume: bool = False)
 
 
 def prepare(
-    recipe: Recipe, run_dir: RunDir, display: Display, resume: bool
+    recipe: Recipe, run_dir: RunDir, display: Display, resume: bool, open_sink: OpenSink | None
 ) -> tuple[Setup, TrainerState]:
     """Load everything and restore a resumed run. Whatever can fail on user input fails here,
     before any output is touched."""
     seed_everything(recipe.train.seed)
-    check_trackers(recipe)
     tokenizer = load_tokenizer(recipe.model)
     prompts = load_prompts(recipe.data, tokenizer, recipe.train.seed)
     reward = load_reward(recipe.reward, str(resolve_device(recipe.model.device)), recipe.data)
@@ -149,11 +186,7 @@ def prepare(
             "(--set train.iterations=N) to extend it"
         )
     stopping = agents.stopping(recipe.generation.stop)
-    trackers = (
-        open_trackers(recipe, run_dir.path, resume=resume, done=state.iteration)
-        if distributed.is_main()
-        else Trackers({})
-    )
+    trackers = open_sink(state.iteration) if open_sink and distributed.is_main() else NoSink()
     evaluator = None  # rank 0 alone evaluates (and writes); the others go on to the next batch
     if held_out and distributed.is_main():
         evaluator = Evaluator(recipe, agents, reward, held_out, ks=(1,), n=1)

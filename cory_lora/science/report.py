@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from cory_lora.config import toml_value
 from cory_lora.errors import UserError
-from cory_lora.outputs import atomic_file, atomic_write_text, read_jsonl, toml_value
-from cory_lora.plots import agent_names
-from cory_lora.study import STATE_FILE
+from cory_lora.run.outputs import atomic_file, atomic_write_text, read_jsonl
+from cory_lora.science.plots import agent_names
+from cory_lora.science.study import STATE_FILE
 
 METRICS = ("task_reward", "kl", "combined_reward")
 BOOTSTRAP_RESAMPLES = 10_000

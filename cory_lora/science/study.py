@@ -40,10 +40,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cory_lora.config import SECTIONS, load_recipe
-from cory_lora.distributed import check_batch_split
+from cory_lora.config import SECTIONS, load_recipe, toml_value
 from cory_lora.errors import ConfigError, Problem, UserError
-from cory_lora.outputs import atomic_write_text, read_jsonl, toml_value
+from cory_lora.run.outputs import atomic_write_text, read_jsonl
+from cory_lora.services.distributed import check_batch_split
 
 STUDY_KEYS = (
     "recipe",

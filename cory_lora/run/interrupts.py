@@ -10,8 +10,8 @@ import sys
 import threading
 from pathlib import Path
 
-from cory_lora.checkpoint import stopped_message
 from cory_lora.errors import UserError
+from cory_lora.run.checkpoint import stopped_message
 
 
 class Interrupted(UserError):
@@ -38,7 +38,7 @@ class GracefulStop:
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            self.display.console.show_cursor(True)
+            self.display.restore_terminal()
             print("\n" + stopped_message(self.run_dir), file=sys.stderr, flush=True)
             os._exit(130)
         self.requested = True

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cory_lora import distributed
-from cory_lora.checkpoint import completed, list_checkpoints, load_checkpoint
+from cory_lora.algorithm.state import TrainerState
 from cory_lora.config import Recipe, load_recipe, to_dict
+from cory_lora.engine.model import Agents
 from cory_lora.errors import UserError
-from cory_lora.model import Agents
-from cory_lora.outputs import RunDir, nothing_to_resume
-from cory_lora.state import TrainerState
+from cory_lora.run.checkpoint import completed, list_checkpoints, load_checkpoint
+from cory_lora.run.outputs import RunDir, nothing_to_resume
+from cory_lora.services import distributed
 
 RESUME_REFUSED = (
     "agents",

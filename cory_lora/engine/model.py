@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cory_lora import distributed, fetch
 from cory_lora.config import ModelConfig, Recipe
+from cory_lora.engine.generation import Stopping, position_ids
 from cory_lora.errors import ConfigError, Problem, UserError, first_line
-from cory_lora.generation import Stopping, position_ids
+from cory_lora.services import distributed, fetch
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 BASE = "base"  # `agents.use(BASE)`: the base model, adapters disabled (the reference)

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cory_lora import distributed, ppo
+from cory_lora.algorithm import ppo
+from cory_lora.algorithm.elastic import AdapterEMA
 from cory_lora.config import PPOConfig, Recipe
-from cory_lora.data import PromptOrder
-from cory_lora.elastic import AdapterEMA
-from cory_lora.model import Agents
+from cory_lora.engine.data import PromptOrder
+from cory_lora.engine.model import Agents
+from cory_lora.services import distributed
 
 FORMAT = 1  # of the checkpoint record; bump when its meaning changes
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from cory_lora.config import Recipe
+from cory_lora.engine.model import read_model_config, resolve_dtype
 from cory_lora.errors import UserError
-from cory_lora.model import read_model_config, resolve_dtype
 
 GB = 1024**3
 

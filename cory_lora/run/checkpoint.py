@@ -28,17 +28,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cory_lora import distributed, faults
+from cory_lora.algorithm.state import TrainerState
+from cory_lora.engine.model import Agents
 from cory_lora.errors import ENVIRONMENT_ERRNOS, UserError, os_error_message
-from cory_lora.model import Agents
-from cory_lora.outputs import (
+from cory_lora.run.outputs import (
     CHECKPOINTS,
     LOG_SNAPSHOT,
     atomic_directory,
     checkpoint_name,
     snapshot_logs,
 )
-from cory_lora.state import TrainerState
+from cory_lora.services import distributed, faults
 
 
 def completed(checkpoint: Path) -> int:

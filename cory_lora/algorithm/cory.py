@@ -30,12 +30,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from cory_lora import distributed
 from cory_lora.config import Recipe
-from cory_lora.data import PromptSet, encode_prompts, format_prompt, render
-from cory_lora.generation import Generation, Stopping, generate
-from cory_lora.model import Agents
+from cory_lora.engine.data import PromptSet, encode_prompts, format_prompt, render
+from cory_lora.engine.generation import Generation, Stopping, generate
+from cory_lora.engine.model import Agents
 from cory_lora.rewards import Reward
+from cory_lora.services import distributed
 
 
 @dataclass(frozen=True, init=False)

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
+from cory_lora.algorithm.cory import Roles, play_episode
 from cory_lora.config import Recipe, greedy, load_recipe, template_fields
-from cory_lora.cory import Roles, play_episode
-from cory_lora.data import PromptSet, eval_split, load_eval_prompts
+from cory_lora.engine.data import PromptSet, eval_split, load_eval_prompts
+from cory_lora.engine.model import BASE, Agents, load_agents
 from cory_lora.errors import UserError
-from cory_lora.heldout import Evaluator
-from cory_lora.model import BASE, Agents, load_agents
-from cory_lora.outputs import RunLock, atomic_write_text
 from cory_lora.rewards import Reward, load_reward
+from cory_lora.run.heldout import Evaluator
+from cory_lora.run.outputs import RunLock, atomic_write_text
 
 
 def load_run(run_dir: Path) -> tuple[Recipe, Agents]:

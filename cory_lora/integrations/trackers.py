@@ -31,9 +31,9 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from cory_lora.config import Recipe, to_dict
+from cory_lora.config import Recipe, recipe_toml, to_dict
 from cory_lora.errors import UserError, first_line
-from cory_lora.outputs import atomic_write_text, recipe_toml
+from cory_lora.run.outputs import atomic_write_text
 
 STATE_FILE = "trackers.json"
 # What each tracker imports (only when named), and so what must be installed.

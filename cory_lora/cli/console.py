@@ -91,6 +91,9 @@ class Display:
     def message(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True, markup=False)  # paths, names
 
+    def restore_terminal(self) -> None:
+        self.console.show_cursor(True)  # a second Ctrl-C exits from inside the live view
+
     def warn_once(self, key: str, text: str) -> None:
         if key not in self._warned:
             self._warned.add(key)

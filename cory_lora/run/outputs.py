@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from cory_lora.config import Recipe, to_dict
+from cory_lora.config import Recipe, recipe_toml
 from cory_lora.errors import UserError, os_error_message
 
 CHECKPOINTS = "checkpoints"
@@ -48,7 +48,7 @@ RUN_FILES = (
     "checkpoints",
     "curves.png",
     "eval.json",
-    "trackers.json",  # experiment trackers (cory_lora.trackers): run ids, local logs
+    "trackers.json",  # experiment trackers (cory_lora.integrations.trackers): run ids, local logs
     "tensorboard",
     "wandb",
     "eval-*.json",  # `cory-lora eval --split S` for a split other than the run's held-out one
@@ -135,41 +135,6 @@ def check_holds_a_run(path: Path) -> None:
     """A directory to resume must hold a run (its config.toml)."""
     if not (Path(path) / "config.toml").is_file():
         raise nothing_to_resume(path, "it holds no run")
-
-
-# --------------------------------------------------------------------------- recipe as TOML
-
-
-def recipe_toml(recipe: Recipe) -> str:
-    """The resolved recipe as TOML that `config.load_recipe` reads back to an equal Recipe."""
-    lines = []
-    tables = to_dict(recipe)
-    for agent in tables.pop("agents", []):  # [[agents]] tables, before the sections
-        lines.append("[[agents]]")
-        lines.extend(f"{key} = {toml_value(value)}" for key, value in agent.items())
-        lines.append("")
-    for section, table in tables.items():
-        lines.append(f"[{section}]")
-        lines.extend(f"{key} = {toml_value(value)}" for key, value in table.items())
-        lines.append("")
-    return "\n".join(lines)
-
-
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float):
-        return repr(value)  # shortest round-trip form; finite by validation
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # JSON string escapes are valid TOML basic strings
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        items = ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items())
-        return "{ " + items + " }" if items else "{}"
-    raise TypeError(type(value))
 
 
 # --------------------------------------------------------------------------- the run directory

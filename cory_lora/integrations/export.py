@@ -17,22 +17,21 @@ whole or absent. An existing DIR is never overwritten.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 from pathlib import Path
 
-from cory_lora import fetch
 from cory_lora.config import Recipe, load_recipe
-from cory_lora.errors import UserError, first_line
-from cory_lora.model import (
+from cory_lora.engine.model import (
     VALUE_HEAD_FILE,
     check_model_path,
     looks_like_a_path,
     read_model_config,
 )
-from cory_lora.outputs import atomic_directory
+from cory_lora.errors import UserError, first_line
+from cory_lora.run.outputs import atomic_directory
+from cory_lora.services import fetch
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
 
@@ -110,14 +109,15 @@ def _write_merged(recipe: Recipe, adapter: Path, out: Path, device: str):
     """Base (dequantised when the run was 4-bit) + the merged LoRA update, saved to `out`."""
     from peft import PeftModel
 
-    from cory_lora.model import load_base_model, load_tokenizer
+    from cory_lora.engine.model import load_base_model, load_tokenizer
 
     check_model_path(recipe.model)
     dtype = base_dtype(recipe)
     # Load the base as training did (4-bit stays 4-bit: the adapter was trained on those
     # weights), but with the base's own dtype for everything that is not quantised.
-    cfg = dataclasses.replace(recipe.model, dtype=str(dtype).removeprefix("torch."), device=device)
-    base = load_base_model(dataclasses.replace(cfg, gradient_checkpointing=False))
+    dtype = str(dtype).removeprefix("torch.")
+    changes = {"dtype": dtype, "device": device, "gradient_checkpointing": False}
+    base = load_base_model(recipe.model.model_copy(update=changes))
     if recipe.model.load_in_4bit:
         base = base.dequantize(dtype=dtype)
     model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
