@@ -56,7 +56,7 @@ def one_iteration(recipe_path: Path, overrides: list[str], out: Path) -> tuple[f
     from rich.console import Console
 
     from cory_lora.cli.console import Display
-    from cory_lora.run.outputs import RunDir
+    from cory_lora.run.rundir import RunDir
     from cory_lora.run.train import run
 
     recipe = load_recipe(recipe_path, overrides)

@@ -247,7 +247,7 @@ def measure(args, config: Configuration, live: bool) -> dict:
     from cory_lora.cli.console import Display
     from cory_lora.config import load_recipe
     from cory_lora.run import train
-    from cory_lora.run.outputs import RunDir
+    from cory_lora.run.rundir import RunDir
 
     own = [o.replace("HALF", str(max(1, args.batch // 2))) for o in config.overrides]
     recipe = load_recipe(RECIPE, overrides(args) + own)

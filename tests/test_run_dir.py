@@ -15,7 +15,9 @@ import pytest
 
 from cory_lora.config import load_recipe
 from cory_lora.errors import UserError
-from cory_lora.run.outputs import LOCK_FILE, RunDir, RunLock, snapshot_logs
+from cory_lora.run.lock import LOCK_FILE, RunLock
+from cory_lora.run.records import snapshot_logs
+from cory_lora.run.rundir import RunDir
 
 from .conftest import tiny_recipe_dict
 from .helpers import write_recipe
@@ -116,7 +118,7 @@ def test_a_second_process_is_refused_and_the_first_is_unharmed(
 
 HOLD_LOCK = """
 import sys, time
-from cory_lora.run.outputs import RunLock
+from cory_lora.run.lock import RunLock
 RunLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(600)

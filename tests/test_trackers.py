@@ -23,7 +23,7 @@ from cory_lora.integrations.trackers import (
     open_trackers,
     scalars,
 )
-from cory_lora.run.outputs import RunDir
+from cory_lora.run.rundir import RunDir
 
 from .conftest import tiny_recipe_dict
 from .helpers import write_recipe

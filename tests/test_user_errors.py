@@ -1,5 +1,6 @@
-"""The README's table of user errors, row by row: one clear message, the documented exit code,
-no traceback, and nothing that existed before overwritten or left half-written."""
+"""The table of user errors in docs/errors-and-resume.md, row by row: one clear message, the
+documented exit code, no traceback, and nothing that existed before overwritten or left
+half-written."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def workspace(tmp_path, tiny_model_dir, arith_file, monkeypatch):
     return tmp_path, recipe
 
 
-# (row of the README table, recipe sections or raw TOML, expected message, exit code)
+# (row of the docs table, recipe sections or raw TOML, expected message, exit code)
 RUN_CASES = [
     ("malformed TOML", "[model\nname_or_path = 1", "is not valid TOML", 2),
     ("unknown key", {"ppo": {"learning_rat": 1e-5}}, "ppo.learning_rat: unknown key", 2),
@@ -474,7 +475,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_older_ones(workspace, monkeypat
 def test_full_disk_while_logging_says_which_checkpoint_is_left(workspace, monkeypatch):
     import errno
 
-    from cory_lora.run.outputs import RunDir
+    from cory_lora.run.rundir import RunDir
 
     real_append = RunDir.append
 

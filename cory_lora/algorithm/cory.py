@@ -26,7 +26,7 @@ answer), `cory.swap_every = 0` (roles never exchanged), `cory.other_coef` 0 (sel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -92,7 +92,8 @@ def draw_response_length(recipe: Recipe, generator: torch.Generator) -> Recipe:
     lo, hi = recipe.generation.length_range
     n = int(torch.randint(lo, hi, (1,), generator=generator, device=generator.device))
     n = distributed.from_main(n)
-    return replace(recipe, generation=replace(recipe.generation, max_new_tokens=n))
+    generation = recipe.generation.model_copy(update={"max_new_tokens": n})
+    return recipe.model_copy(update={"generation": generation})
 
 
 @dataclass(frozen=True)

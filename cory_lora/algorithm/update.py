@@ -243,36 +243,16 @@ def make_rollout(
 
     raw_scores [B]: the agent's score per episode (its collective reward in CORY).
     """
-    critic = cfg.advantage == "gae"
     input_ids, attention_mask = sequences(gen)
     response_ids, mask = gen.response_ids, gen.response_mask.float()
-    parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
-    batches = _agent_and_reference(agents, name, gen, cfg.micro_batch_rows(input_ids.shape[1]))
-    for rows, logits, hidden, ref_logits in batches:
-        resp = response_ids[rows]
-        logprobs = _logprobs(logits, resp, temperature)
-        ref_logprobs = _logprobs(ref_logits, resp, temperature)
-        parts["logprobs"].append(logprobs)
-        parts["ref"].append(ref_logprobs)
-        if critic:
-            parts["values"].append(agents.values(name, hidden[:, :-1]))
-        else:
-            parts["values"].append(torch.zeros_like(logprobs))
-        if cfg.kl_estimator == "full":
-            kl = ppo.full_kl(logits[:, :-1] / temperature, ref_logits[:, :-1] / temperature)
-        else:
-            kl = ppo.kl_per_token(logprobs, ref_logprobs, cfg.kl_estimator)
-        parts["kl"].append(kl)
-    logprobs, ref_logprobs, values, kl = (
-        torch.cat(parts[k]) for k in ("logprobs", "ref", "values", "kl")
-    )
+    logprobs, ref_logprobs, values, kl = _token_statistics(agents, name, gen, cfg, temperature)
     values = values * mask
     moments = state.score_moments if cfg.score_scaling else None
     raw_scores = raw_scores.to(mask.device)
     scores = ppo.normalise_scores(
         raw_scores, moments, cfg.score_norm, cfg.score_clip, batch=distributed.gather(raw_scores)
     )
-    if critic:
+    if cfg.advantage == "gae":
         rewards = ppo.token_rewards(scores, kl, state.kl_ctl.value, mask)
         advantages, returns = ppo.gae(rewards, values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
@@ -295,6 +275,38 @@ def make_rollout(
     )
 
 
+def _token_statistics(
+    agents: Agents, name: str, gen: Generation, cfg: PPOConfig, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per response token of agent `name`'s episodes, unmasked, each [B, T]: its logprobs, the
+    reference's logprobs, its values (0: critic-free) and the KL penalty term (the recipe's
+    estimator), scored one micro-batch of episodes at a time."""
+    critic = cfg.advantage == "gae"
+    parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
+    width = gen.prompt_ids.shape[1] + gen.response_ids.shape[1]
+    for rows, logits, hidden, ref_logits in _agent_and_reference(
+        agents, name, gen, cfg.micro_batch_rows(width)
+    ):
+        resp = gen.response_ids[rows]
+        logprobs = _logprobs(logits, resp, temperature)
+        ref_logprobs = _logprobs(ref_logits, resp, temperature)
+        parts["logprobs"].append(logprobs)
+        parts["ref"].append(ref_logprobs)
+        if critic:
+            parts["values"].append(agents.values(name, hidden[:, :-1]))
+        else:
+            parts["values"].append(torch.zeros_like(logprobs))
+        if cfg.kl_estimator == "full":
+            kl = ppo.full_kl(logits[:, :-1] / temperature, ref_logits[:, :-1] / temperature)
+        else:
+            kl = ppo.kl_per_token(logprobs, ref_logprobs, cfg.kl_estimator)
+        parts["kl"].append(kl)
+    logprobs, ref_logprobs, values, kl = (
+        torch.cat(parts[k]) for k in ("logprobs", "ref", "values", "kl")
+    )
+    return logprobs, ref_logprobs, values, kl
+
+
 def _critic_free_advantages(scores, kl, mask, kl_coef: float, cfg: PPOConfig, group_size: int):
     """Each episode's advantage from its group (ppo.group_advantages), on every response token.
     With the KL in the reward (RLOO), beta x the episode's summed per-token KL is subtracted
@@ -303,6 +315,22 @@ def _critic_free_advantages(scores, kl, mask, kl_coef: float, cfg: PPOConfig, gr
         scores = scores - kl_coef * (kl * mask).sum(1)
     per_episode = ppo.group_advantages(scores, group_size, cfg.advantage)
     return per_episode.unsqueeze(1) * mask
+
+
+# What an update sums over its micro-batches (scalars on the device): the losses, clipped
+# tokens, approx. KL and entropy summed over tokens, the gradient norm of each step, the tokens
+# of each step and the micro-batches the ratio guard skipped.
+SUM_KEYS = (
+    "policy",
+    "value",
+    "kl",
+    "clipped",
+    "approx_kl",
+    "entropy",
+    "grad_norm",
+    "tokens",
+    "skips",
+)
 
 
 def ppo_update(
@@ -321,23 +349,9 @@ def ppo_update(
     works on the rows of each minibatch it holds (`_my_rows`), so a minibatch holds the same
     episodes whatever the number of ranks."""
     params = agents.trainable_parameters(name)
-    T = rollout.response_ids.shape[1]
     rows_here = len(rollout.input_ids)
-    micro_rows = cfg.micro_batch_rows(rollout.input_ids.shape[1])
     # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
-    keys = (
-        "policy",
-        "value",
-        "kl",
-        "clipped",
-        "approx_kl",
-        "entropy",
-        "grad_norm",
-        "tokens",
-        "skips",
-    )
-    critic, kl_in_loss, beta = cfg.advantage == "gae", cfg.kl_in == "loss", state.kl_ctl.value
-    sums = {k: torch.zeros((), device=rollout.mask.device) for k in keys}
+    sums = {k: torch.zeros((), device=rollout.mask.device) for k in SUM_KEYS}
     steps = micro_batches = 0
     agents.model.train()  # LoRA dropout, if any, acts in updates only; base dropout is off
     try:
@@ -346,71 +360,138 @@ def ppo_update(
                 order = torch.randperm(rows_here * distributed.world_size(), generator=generator)
                 for minibatch in order.split(cfg.minibatch_size):
                     minibatch = _my_rows(minibatch, rows_here)
-                    n_tokens = distributed.all_sum(rollout.mask[minibatch].sum()).clamp(min=1)
-                    state.optimizer.zero_grad(set_to_none=True)
-                    for rows in minibatch.split(micro_rows):
-                        rows = rows.to(rollout.mask.device)
-                        logits, hidden = agents.forward(
-                            rollout.input_ids[rows], rollout.attention_mask[rows], T + 1
-                        )
-                        mask = rollout.mask[rows]
-                        logprobs = _logprobs(logits, rollout.response_ids[rows], temperature)
-                        pg = ppo.policy_loss(
-                            logprobs,
-                            rollout.logprobs[rows],
-                            rollout.advantages[rows],
-                            mask,
-                            cfg.clip_range,
-                            n_tokens,
-                        )
-                        vf = torch.zeros((), device=mask.device)
-                        if critic:
-                            vf = ppo.value_loss(
-                                agents.values(name, hidden[:, :-1]),
-                                rollout.values[rows],
-                                rollout.returns[rows],
-                                mask,
-                                cfg.value_clip_range,
-                                n_tokens,
-                            )
-                        kl_term = torch.zeros((), device=mask.device)
-                        if kl_in_loss:  # GRPO: the KL to the reference as a loss term
-                            ref = rollout.ref_logprobs[rows]
-                            kl_term = beta * ppo.kl_loss(logprobs, ref, mask, n_tokens)
-                        loss = pg.loss + cfg.vf_coef * vf + kl_term
-                        if cfg.ratio_threshold:
-                            # TRL 0.x's guard: a micro-batch whose mean ratio explodes teaches
-                            # nothing; multiplying by a 0/1 tensor avoids a CPU-GPU sync.
-                            mean_ratio = pg.ratio_sum / mask.sum().clamp(min=1)
-                            keep = (mean_ratio <= cfg.ratio_threshold).float()
-                            loss, pg_loss, vf = loss * keep, pg.loss * keep, vf * keep
-                            kl_term = kl_term * keep
-                            sums["skips"] += 1 - keep
-                        else:
-                            pg_loss = pg.loss
-                        loss.backward()
-                        micro_batches += 1
-                        with torch.no_grad():
-                            entropy = ppo.entropy(logits[:, :-1])
-                            sums["entropy"] += (entropy * mask).sum()
-                            sums["policy"] += pg_loss.detach()
-                            sums["value"] += vf.detach()
-                            sums["kl"] += kl_term.detach()
-                            sums["clipped"] += pg.clipped_tokens
-                            sums["approx_kl"] += pg.approx_kl_sum
-                    distributed.sum_gradients(params)
-                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-                    if not torch.isfinite(norm):  # one sync per optimizer step
-                        raise NonFiniteUpdate("non-finite loss or gradient")
-                    sums["grad_norm"] += norm
-                    sums["tokens"] += n_tokens
-                    state.optimizer.step()
+                    micro_batches += _minibatch_step(
+                        agents, name, state, rollout, minibatch, params, cfg, temperature, sums
+                    )
                     steps += 1
                     faults.maybe_die("update")
     finally:
         agents.model.eval()
         state.optimizer.zero_grad(set_to_none=True)  # frees gradient memory before generation
+    return _mean_losses(sums, steps, micro_batches, critic=cfg.advantage == "gae")
+
+
+def _minibatch_step(
+    agents: Agents,
+    name: str,
+    state: AgentState,
+    rollout: Rollout,
+    minibatch: torch.Tensor,
+    params: list[torch.nn.Parameter],
+    cfg: PPOConfig,
+    temperature: float,
+    sums: dict[str, torch.Tensor],
+) -> int:
+    """One optimizer step on the rollout rows `minibatch` (this rank's local indices), their
+    gradients accumulated one micro-batch at a time and summed across ranks; adds its
+    statistics to `sums`. Returns the number of micro-batches it ran; raises NonFiniteUpdate
+    when the gradient norm is NaN/inf (the optimizer has not stepped then)."""
+    n_tokens = distributed.all_sum(rollout.mask[minibatch].sum()).clamp(min=1)
+    state.optimizer.zero_grad(set_to_none=True)
+    micro_batches = 0
+    for rows in minibatch.split(cfg.micro_batch_rows(rollout.input_ids.shape[1])):
+        rows = rows.to(rollout.mask.device)
+        micro = micro_batch_loss(
+            agents, name, rollout, rows, n_tokens, cfg, temperature, state.kl_ctl.value
+        )
+        if micro.skipped is not None:
+            sums["skips"] += micro.skipped
+        micro.loss.backward()
+        micro_batches += 1
+        with torch.no_grad():
+            entropy = ppo.entropy(micro.logits[:, :-1])
+            sums["entropy"] += (entropy * micro.mask).sum()
+            sums["policy"] += micro.policy.detach()
+            sums["value"] += micro.value.detach()
+            sums["kl"] += micro.kl.detach()
+            sums["clipped"] += micro.clipped_tokens
+            sums["approx_kl"] += micro.approx_kl_sum
+    distributed.sum_gradients(params)
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if not torch.isfinite(norm):  # one sync per optimizer step
+        raise NonFiniteUpdate("non-finite loss or gradient")
+    sums["grad_norm"] += norm
+    sums["tokens"] += n_tokens
+    state.optimizer.step()
+    return micro_batches
+
+
+@dataclass(frozen=True)
+class MicroBatchLoss:
+    """One micro-batch's PPO loss and its parts, each a scalar tensor already divided by the
+    minibatch's token count (and zeroed when the ratio guard drops the micro-batch)."""
+
+    loss: torch.Tensor  # what backward() runs on: policy + vf_coef x value + kl
+    policy: torch.Tensor  # the clipped policy-gradient loss
+    value: torch.Tensor  # the clipped value loss, before vf_coef (0: critic-free)
+    kl: torch.Tensor  # beta x the KL-to-reference term (0 unless ppo.kl_in = "loss")
+    skipped: torch.Tensor | None  # 1.0 when the ratio guard dropped it, else 0.0; None: no guard
+    clipped_tokens: torch.Tensor  # tokens whose ratio was clipped
+    approx_kl_sum: torch.Tensor  # sum over tokens of the approximate KL to the rollout policy
+    logits: torch.Tensor  # [b, T+1, V] the agent's logits (for the entropy statistic)
+    mask: torch.Tensor  # [b, T] float, 1 on response tokens
+
+
+def micro_batch_loss(
+    agents: Agents,
+    name: str,
+    rollout: Rollout,
+    rows: torch.Tensor,
+    n_tokens: torch.Tensor,
+    cfg: PPOConfig,
+    temperature: float,
+    beta: float,
+) -> MicroBatchLoss:
+    """The PPO loss of the rollout's episodes `rows` ([b] local indices) under agent `name` as
+    it is now (the active adapter): a forward pass, then the clipped policy loss, the value
+    loss (GAE) and the KL term (ppo.kl_in = "loss"), each summed over tokens and divided by
+    n_tokens, the minibatch's response tokens on all ranks (a scalar tensor). beta: the
+    rollout's KL coefficient."""
+    T = rollout.response_ids.shape[1]
+    logits, hidden = agents.forward(rollout.input_ids[rows], rollout.attention_mask[rows], T + 1)
+    mask = rollout.mask[rows]
+    logprobs = _logprobs(logits, rollout.response_ids[rows], temperature)
+    pg = ppo.policy_loss(
+        logprobs,
+        rollout.logprobs[rows],
+        rollout.advantages[rows],
+        mask,
+        cfg.clip_range,
+        n_tokens,
+    )
+    vf = torch.zeros((), device=mask.device)
+    if cfg.advantage == "gae":
+        vf = ppo.value_loss(
+            agents.values(name, hidden[:, :-1]),
+            rollout.values[rows],
+            rollout.returns[rows],
+            mask,
+            cfg.value_clip_range,
+            n_tokens,
+        )
+    kl_term = torch.zeros((), device=mask.device)
+    if cfg.kl_in == "loss":  # GRPO: the KL to the reference as a loss term
+        kl_term = beta * ppo.kl_loss(logprobs, rollout.ref_logprobs[rows], mask, n_tokens)
+    loss = pg.loss + cfg.vf_coef * vf + kl_term
+    pg_loss, skipped = pg.loss, None
+    if cfg.ratio_threshold:
+        # TRL 0.x's guard: a micro-batch whose mean ratio explodes teaches nothing; multiplying
+        # by a 0/1 tensor avoids a CPU-GPU sync.
+        mean_ratio = pg.ratio_sum / mask.sum().clamp(min=1)
+        keep = (mean_ratio <= cfg.ratio_threshold).float()
+        loss, pg_loss, vf, kl_term = loss * keep, pg.loss * keep, vf * keep, kl_term * keep
+        skipped = 1 - keep
+    return MicroBatchLoss(
+        loss, pg_loss, vf, kl_term, skipped, pg.clipped_tokens, pg.approx_kl_sum, logits, mask
+    )
+
+
+def _mean_losses(
+    sums: dict[str, torch.Tensor], steps: int, micro_batches: int, critic: bool
+) -> dict[str, float]:
+    """The update's statistics (LOSS_KEYS) from its sums: losses and gradient norm per
+    optimizer step, token statistics per token, skips per micro-batch, over all ranks."""
     # Global totals: the token count and the gradient norm are the same on every rank already.
     local = ("policy", "value", "kl", "clipped", "approx_kl", "entropy", "skips")
     sums |= {k: distributed.all_sum(sums[k]) for k in local}

@@ -27,7 +27,7 @@ from cory_lora.cli.console import make_console
 from cory_lora.config import describe_keys, load_recipe, recipe_toml
 from cory_lora.errors import ENVIRONMENT_ERRNOS, Stopped, UserError, os_error_message
 from cory_lora.run.interrupts import Interrupted
-from cory_lora.run.outputs import check_holds_a_run
+from cory_lora.run.rundir import check_holds_a_run
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -181,7 +181,7 @@ GO, NOTHING_TO_DO, FAILED = 1, 0, -1  # rank 0's word to the other ranks before 
 
 def _train_follower(config, path: Path, resume: bool) -> None:
     from cory_lora.cli.console import Display
-    from cory_lora.run.outputs import FollowerRunDir
+    from cory_lora.run.rundir import FollowerRunDir
     from cory_lora.services import distributed
 
     word = distributed.from_main(GO)
@@ -195,7 +195,7 @@ def _train_follower(config, path: Path, resume: bool) -> None:
 
 def _train_main(config, source, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
     from cory_lora.integrations.trackers import check_trackers
-    from cory_lora.run.outputs import RunDir
+    from cory_lora.run.rundir import RunDir
     from cory_lora.services import distributed
 
     told = False

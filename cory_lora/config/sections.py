@@ -192,7 +192,7 @@ class GenerationConfig(Section):
 class RewardConfig(Section):
     function: Str = Field(
         "",
-        description="Task reward: a built-in name (see README) or `module:function` following "
+        description="Task reward: a built-in name (docs/recipes.md) or `module:function` following "
         "TRL's convention fn(prompts, completions, **columns) -> list[float].",
     )
     model: Str = Field(

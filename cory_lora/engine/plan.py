@@ -72,7 +72,34 @@ def _is_target(name: str, targets: tuple[str, ...]) -> bool:
 
 
 def estimate(recipe: Recipe) -> MemoryPlan:
+    """The recipe's peak GPU memory, by part (see the module's docstring for what is counted)."""
     config, model = _meta_model(recipe)
+    _check_plannable(recipe, config)
+    dtype = resolve_dtype(recipe.model.dtype, torch.device("cuda"))
+    if recipe.model.dtype == "auto":
+        dtype = torch.bfloat16  # what `auto` gives on a recent GPU
+    width = torch.finfo(dtype).bits // 8
+    base, agents_bytes = _weight_bytes(recipe, model, config.hidden_size, width)
+    dims = _Dims.of(config)
+    kv_cache, prefill = _generation_bytes(recipe, dims, width)
+    activations, logits = _training_bytes(recipe, dims, width)
+    n_agents = len(recipe.agents)
+    parts = {
+        "base weights": base,
+        f"adapters + optimizer ({n_agents} agent{'s' * (n_agents > 1)})": agents_bytes,
+        "generation: KV cache": kv_cache,
+        "generation: prefill activations": prefill,
+        "training: activations"
+        + (" (checkpointed)" if recipe.model.gradient_checkpointing else ""): activations,
+        "training: response logits": logits,
+    }
+    working = base + agents_bytes + max(kv_cache + prefill, activations + logits)
+    reserve = 0.5 * GB + 0.1 * working
+    parts["CUDA context + fragmentation reserve"] = reserve
+    return MemoryPlan(parts, working + reserve)
+
+
+def _check_plannable(recipe: Recipe, config) -> None:
     missing = [
         key
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
@@ -83,12 +110,13 @@ def estimate(recipe: Recipe) -> MemoryPlan:
             f"model.name_or_path = {recipe.model.name_or_path!r}: its config has no "
             f"{', '.join(missing)}; cory-lora cannot plan for this architecture"
         )
-    dtype = resolve_dtype(recipe.model.dtype, torch.device("cuda"))
-    if recipe.model.dtype == "auto":
-        dtype = torch.bfloat16  # what `auto` gives on a recent GPU
-    width = torch.finfo(dtype).bits // 8
+
+
+def _weight_bytes(recipe: Recipe, model, hidden: int, width: int) -> tuple[float, int]:
+    """(the base's weights, every agent's LoRA weights and value head with their gradients and
+    AdamW moments), in bytes; `width`: bytes per weight in the compute dtype."""
     head = model.get_output_embeddings()
-    linear = other = 0
+    linear = 0
     lora = dict.fromkeys(recipe.agents, 0)  # LoRA parameters of each agent (its own shape)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
@@ -103,44 +131,61 @@ def estimate(recipe: Recipe) -> MemoryPlan:
         base = linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + other * width
     else:
         base = total * width
-    hidden, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
-    kv_dim = getattr(config, "num_key_value_heads", heads) * (hidden // heads)
-    inter = (
-        getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
-    )
-    n_agents = len(recipe.agents)
     head = hidden + 1 if recipe.ppo.advantage == "gae" else 0  # critic-free: no value head
     agents_bytes = sum(16 * (n + head) for n in lora.values())  # fp32 weight, grad, 2 moments
+    return base, agents_bytes
 
+
+@dataclass(frozen=True)
+class _Dims:
+    """The sizes of a transformer that its activations and KV cache grow with."""
+
+    hidden: int
+    layers: int
+    kv_dim: int  # width of a layer's keys (and of its values): KV heads x head size
+    inter: int  # the MLP's intermediate width
+    vocab: int
+
+    @classmethod
+    def of(cls, config) -> _Dims:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        inter = (
+            getattr(config, "intermediate_size", None)
+            or getattr(config, "n_inner", None)
+            or 4 * hidden
+        )
+        return cls(
+            hidden=hidden,
+            layers=config.num_hidden_layers,
+            kv_dim=getattr(config, "num_key_value_heads", heads) * (hidden // heads),
+            inter=inter,
+            vocab=config.vocab_size,
+        )
+
+
+def _generation_bytes(recipe: Recipe, dims: _Dims, width: int) -> tuple[int, int]:
+    """(the KV cache, the prefill's activations) of one generation micro-batch at the longest
+    prompt plus max_new_tokens."""
     g = recipe.generation
     prompt, new = recipe.data.max_prompt_tokens, g.max_new_tokens
     gen_batch = min(g.batch_size, recipe.ppo.batch_size * g.samples_per_query)
-    kv_cache = 2 * layers * gen_batch * (prompt + new) * kv_dim * width
-    prefill = gen_batch * prompt * (4 * hidden + 2 * inter) * width
-    generation = kv_cache + prefill
+    kv_cache = 2 * dims.layers * gen_batch * (prompt + new) * dims.kv_dim * width
+    prefill = gen_batch * prompt * (4 * dims.hidden + 2 * dims.inter) * width
+    return kv_cache, prefill
 
-    rows = recipe.ppo.micro_batch_rows(prompt + new)  # the longest sequences' micro-batch
+
+def _training_bytes(recipe: Recipe, dims: _Dims, width: int) -> tuple[int, int]:
+    """(the activations kept for the backward pass, the response logits) of one training
+    micro-batch of the longest sequences."""
+    prompt, new = recipe.data.max_prompt_tokens, recipe.generation.max_new_tokens
+    rows = recipe.ppo.micro_batch_rows(prompt + new)
     tokens = rows * (prompt + new)
-    per_layer_token = width * (8 * hidden + 2 * kv_dim + 4 * inter) + 2 * 2 * hidden * 4
+    hidden, inter = dims.hidden, dims.inter
+    per_layer_token = width * (8 * hidden + 2 * dims.kv_dim + 4 * inter) + 2 * 2 * hidden * 4
     if recipe.model.gradient_checkpointing:
-        activations = tokens * (layers * hidden * width + per_layer_token)
+        activations = tokens * (dims.layers * hidden * width + per_layer_token)
     else:
-        activations = tokens * layers * per_layer_token
-    vocab = config.vocab_size
+        activations = tokens * dims.layers * per_layer_token
     # logits in the compute dtype, their float32 copy and log-softmax, and its gradient
-    logits = rows * (new + 1) * vocab * (width + 4 + 4)
-    training = activations + logits
-    parts = {
-        "base weights": base,
-        f"adapters + optimizer ({n_agents} agent{'s' * (n_agents > 1)})": agents_bytes,
-        "generation: KV cache": kv_cache,
-        "generation: prefill activations": prefill,
-        "training: activations"
-        + (" (checkpointed)" if recipe.model.gradient_checkpointing else ""): activations,
-        "training: response logits": logits,
-    }
-    working = base + agents_bytes + max(generation, training)
-    reserve = 0.5 * GB + 0.1 * working
-    parts["CUDA context + fragmentation reserve"] = reserve
-    return MemoryPlan(parts, working + reserve)
+    logits = rows * (new + 1) * dims.vocab * (width + 4 + 4)
+    return activations, logits

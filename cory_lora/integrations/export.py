@@ -30,7 +30,7 @@ from cory_lora.engine.model import (
     read_model_config,
 )
 from cory_lora.errors import UserError, first_line
-from cory_lora.run.outputs import atomic_directory
+from cory_lora.run.atomic import atomic_directory
 from cory_lora.services import fetch
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
@@ -115,8 +115,8 @@ def _write_merged(recipe: Recipe, adapter: Path, out: Path, device: str):
     dtype = base_dtype(recipe)
     # Load the base as training did (4-bit stays 4-bit: the adapter was trained on those
     # weights), but with the base's own dtype for everything that is not quantised.
-    dtype = str(dtype).removeprefix("torch.")
-    changes = {"dtype": dtype, "device": device, "gradient_checkpointing": False}
+    name = str(dtype).removeprefix("torch.")
+    changes = {"dtype": name, "device": device, "gradient_checkpointing": False}
     base = load_base_model(recipe.model.model_copy(update=changes))
     if recipe.model.load_in_4bit:
         base = base.dequantize(dtype=dtype)
@@ -204,15 +204,62 @@ def _training_summary(run_dir: Path, agent: str) -> str:
 
 
 def model_card(recipe: Recipe, run_dir: Path, agent: str, merged: bool = False, dtype=None) -> str:
+    """The README.md of agent `agent` of the run in `run_dir`, exported as an adapter or (merged)
+    as a full model in `dtype`: front matter, what the agent is, how to load it, the run's
+    results and its recipe."""
     base = _card_base(recipe)
-    algorithm = (
+    form, use = _form_and_use(recipe, base, merged, dtype)
+    config = (run_dir / "config.toml").read_text(encoding="utf-8").strip()
+    lines = [
+        _front_matter(recipe, merged),
+        "",
+        f"# {run_dir.name} · {agent}",
+        "",
+        f"Agent `{agent}` of a cory-lora run — {_algorithm(recipe)} — on `{base}`, exported as "
+        f"{form}. Task reward: `{recipe.reward.function}` on `{recipe.data.dataset}`.",
+        "",
+        (
+            "`value_head.safetensors` holds the agent's value head (a linear layer on the last "
+            "hidden state), for continuing RL; generation does not need it."
+            if recipe.ppo.advantage == "gae"
+            else f"Trained critic-free (`ppo.advantage = {recipe.ppo.advantage}`): no value head."
+        ),
+        "",
+        "## Use",
+        "",
+        use,
+        "Prompts as in training: "
+        + ("the tokenizer's chat template, " if recipe.data.chat_template else "")
+        + f"template `{recipe.data.prompt_template!r}`.",
+        "",
+        "## Results",
+        "",
+        _eval_table(run_dir),
+        _training_summary(run_dir, agent),
+        "## Recipe",
+        "",
+        "```toml",
+        config,
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _algorithm(recipe: Recipe) -> str:
+    if recipe.train.algorithm != "cory":
+        return "single-agent PPO"
+    return (
         "CORY ([Ma et al., NeurIPS 2024](https://arxiv.org/abs/2410.06101)): two LoRA agents "
         "on one shared base "
         "exchange the pioneer and observer roles and are paid the collective task reward minus "
         "their own KL to the base"
-        if recipe.train.algorithm == "cory"
-        else "single-agent PPO"
     )
+
+
+def _form_and_use(recipe: Recipe, base: str, merged: bool, dtype) -> tuple[str, str]:
+    """What the export is (a phrase) and the model card's "Use" section: how to load it, and,
+    for a fetched base, how the weights it was trained on differ from the hub's."""
     if merged:
         form = (
             f"a merged model ({str(dtype).removeprefix('torch.')}): the base "
@@ -242,41 +289,7 @@ def model_card(recipe: Recipe, run_dir: Path, agent: str, merged: bool = False, 
             "them from a package registry (dequantised from a Q4_1 GGUF), so the original hub "
             "weights differ from the trained-on base by that quantisation error.\n"
         )
-    config = (run_dir / "config.toml").read_text(encoding="utf-8").strip()
-    lines = [
-        _front_matter(recipe, merged),
-        "",
-        f"# {run_dir.name} · {agent}",
-        "",
-        f"Agent `{agent}` of a cory-lora run — {algorithm} — on `{base}`, exported as {form}. "
-        f"Task reward: `{recipe.reward.function}` on `{recipe.data.dataset}`.",
-        "",
-        (
-            "`value_head.safetensors` holds the agent's value head (a linear layer on the last "
-            "hidden state), for continuing RL; generation does not need it."
-            if recipe.ppo.advantage == "gae"
-            else f"Trained critic-free (`ppo.advantage = {recipe.ppo.advantage}`): no value head."
-        ),
-        "",
-        "## Use",
-        "",
-        use,
-        "Prompts as in training: "
-        + ("the tokenizer's chat template, " if recipe.data.chat_template else "")
-        + f"template `{recipe.data.prompt_template!r}`.",
-        "",
-        "## Results",
-        "",
-        _eval_table(run_dir),
-        _training_summary(run_dir, agent),
-        "## Recipe",
-        "",
-        "```toml",
-        config,
-        "```",
-        "",
-    ]
-    return "\n".join(lines)
+    return form, use
 
 
 # --------------------------------------------------------------------------- the Hub

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from cory_lora.config import Recipe, recipe_toml, to_dict
 from cory_lora.errors import UserError, first_line
-from cory_lora.run.outputs import atomic_write_text
+from cory_lora.run.atomic import atomic_write_text
 
 STATE_FILE = "trackers.json"
 # What each tracker imports (only when named), and so what must be installed.

@@ -13,7 +13,7 @@ A checkpoint is the directory `checkpoints/iter-NNNNNN/` (NNNNNN = iterations co
                             SHA-256 of every file
 
 It is built under a temporary name, every file fsynced, then renamed into place and the parent
-directory fsynced (`outputs.atomic_directory`): a reader sees a whole checkpoint or none. The
+directory fsynced (`atomic.atomic_directory`): a reader sees a whole checkpoint or none. The
 last `train.keep_checkpoints` are kept. Loading verifies every checksum, so a damaged file is
 reported, never half-loaded.
 """
@@ -31,13 +31,9 @@ from safetensors.torch import load_file, save_file
 from cory_lora.algorithm.state import TrainerState
 from cory_lora.engine.model import Agents
 from cory_lora.errors import ENVIRONMENT_ERRNOS, UserError, os_error_message
-from cory_lora.run.outputs import (
-    CHECKPOINTS,
-    LOG_SNAPSHOT,
-    atomic_directory,
-    checkpoint_name,
-    snapshot_logs,
-)
+from cory_lora.run.atomic import atomic_directory
+from cory_lora.run.records import LOG_SNAPSHOT, snapshot_logs
+from cory_lora.run.rundir import CHECKPOINTS, checkpoint_name
 from cory_lora.services import distributed, faults
 
 

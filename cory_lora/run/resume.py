@@ -15,7 +15,7 @@ from cory_lora.config import Recipe, load_recipe, to_dict
 from cory_lora.engine.model import Agents
 from cory_lora.errors import UserError
 from cory_lora.run.checkpoint import completed, list_checkpoints, load_checkpoint
-from cory_lora.run.outputs import RunDir, nothing_to_resume
+from cory_lora.run.rundir import RunDir, nothing_to_resume
 from cory_lora.services import distributed
 
 RESUME_REFUSED = (

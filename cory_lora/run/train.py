@@ -22,7 +22,7 @@ The maths lives in ppo.py, one agent's step in update.py, the episode in cory.py
 
 Under torchrun (distributed.py) every rank runs this same loop on its share of each batch;
 the updates, statistics and decisions are global, and rank 0 alone writes (the other ranks' run
-directory is an `outputs.FollowerRunDir`).
+directory is a `rundir.FollowerRunDir`).
 
 Nothing is lost: checkpoints are atomic and hold every state the future depends on, so a run
 killed at any moment resumes (resume.py) to bit-identical adapters on CPU; the first Ctrl-C
@@ -57,8 +57,9 @@ from cory_lora.rewards import Reward, load_reward
 from cory_lora.run.checkpoint import list_checkpoints, save_checkpoint
 from cory_lora.run.heldout import Evaluator
 from cory_lora.run.interrupts import GracefulStop, Interrupted
-from cory_lora.run.outputs import RunDir, read_jsonl
+from cory_lora.run.records import read_jsonl
 from cory_lora.run.resume import restore
+from cory_lora.run.rundir import RunDir
 from cory_lora.services import distributed
 
 

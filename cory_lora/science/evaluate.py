@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,8 +26,9 @@ from cory_lora.engine.data import PromptSet, eval_split, load_eval_prompts
 from cory_lora.engine.model import BASE, Agents, load_agents
 from cory_lora.errors import UserError
 from cory_lora.rewards import Reward, load_reward
+from cory_lora.run.atomic import atomic_write_text
 from cory_lora.run.heldout import Evaluator
-from cory_lora.run.outputs import RunLock, atomic_write_text
+from cory_lora.run.lock import RunLock
 
 
 def load_run(run_dir: Path) -> tuple[Recipe, Agents]:
@@ -130,7 +130,8 @@ def sample_answers(
         recipe = greedy(recipe)
     if not (template_fields(recipe.data.prompt_template) or set()) <= {"query"}:
         # the template needs dataset columns we do not have here: use the query as it is
-        recipe = replace(recipe, data=replace(recipe.data, prompt_template="{query}"))
+        data = recipe.data.model_copy(update={"prompt_template": "{query}"})
+        recipe = recipe.model_copy(update={"data": data})
     no_reward = Reward("none", lambda prompts, completions, **_: [0.0] * len(completions))
     episode = play_episode(
         agents,

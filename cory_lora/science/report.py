@@ -21,7 +21,8 @@ import numpy as np
 
 from cory_lora.config import toml_value
 from cory_lora.errors import UserError
-from cory_lora.run.outputs import atomic_file, atomic_write_text, read_jsonl
+from cory_lora.run.atomic import atomic_file, atomic_write_text
+from cory_lora.run.records import read_jsonl
 from cory_lora.science.plots import agent_names
 from cory_lora.science.study import STATE_FILE
 
@@ -197,6 +198,9 @@ def markdown(report: dict) -> str:
 
 
 def plot_frontier(report: dict, out: Path) -> None:
+    """Task reward against KL, one panel per part of the report that has KL figures (training's
+    final window, held-out evaluation): each point with its std over seeds as error bars, the
+    best point per η circled."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,44 +214,9 @@ def plot_frontier(report: dict, out: Path) -> None:
     fig, axes = plt.subplots(1, max(1, len(parts)), figsize=(7.5 * max(1, len(parts)), 6))
     axes = np.atleast_1d(axes)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    arms = list(dict.fromkeys(p["arm"] for p in report["points"]))
     for ax, part in zip(axes, parts, strict=False):
-        for p in report["points"]:
-            task, kl = p[part].get("task_reward"), p[part].get("kl")
-            if not task or not kl or task["mean"] is None or kl["mean"] is None:
-                continue
-            colour = colours[arms.index(p["arm"]) % len(colours)]
-            ax.errorbar(
-                kl["mean"],
-                task["mean"],
-                xerr=kl["std"],
-                yerr=task["std"],
-                fmt="o",
-                color=colour,
-                capsize=3,
-                label=p["arm"] if p["arm"] not in ax.get_legend_handles_labels()[1] else None,
-            )
-            ax.annotate(
-                p["label"],
-                (kl["mean"], task["mean"]),
-                textcoords="offset points",
-                xytext=(5, 5),
-                fontsize=8,
-            )
-        etas_of: dict[str, list[float]] = {}  # one label per point, whatever η chose it
-        for b in report["best"][part]:
-            etas_of.setdefault(b["label"], []).append(b["eta"])
-        for label, etas in etas_of.items():
-            p = next(q for q in report["points"] if q["label"] == label)
-            x, y = p[part]["kl"]["mean"], p[part]["task_reward"]["mean"]
-            ax.scatter([x], [y], s=220, facecolors="none", edgecolors="black", linewidths=1)
-            ax.annotate(
-                f"best η={', '.join(f'{e:g}' for e in etas)}",
-                (x, y),
-                textcoords="offset points",
-                xytext=(5, -12),
-                fontsize=7,
-            )
+        _plot_points(ax, report["points"], part, colours)
+        _circle_best(ax, report, part)
         title = "training (final window)" if part == "train" else "held-out evaluation"
         ax.set_title(f"task reward vs KL: {title}\n(error bars: std over seeds)")
         ax.set_xlabel("KL to reference")
@@ -257,6 +226,51 @@ def plot_frontier(report: dict, out: Path) -> None:
     with atomic_file(out) as tmp:
         fig.savefig(tmp, dpi=100)
     plt.close(fig)
+
+
+def _plot_points(ax, points: list[dict], part: str, colours: list[str]) -> None:
+    """Every point with both figures in `part`, labelled, one colour (and legend entry) per arm."""
+    arms = list(dict.fromkeys(p["arm"] for p in points))
+    for p in points:
+        task, kl = p[part].get("task_reward"), p[part].get("kl")
+        if not task or not kl or task["mean"] is None or kl["mean"] is None:
+            continue
+        colour = colours[arms.index(p["arm"]) % len(colours)]
+        ax.errorbar(
+            kl["mean"],
+            task["mean"],
+            xerr=kl["std"],
+            yerr=task["std"],
+            fmt="o",
+            color=colour,
+            capsize=3,
+            label=p["arm"] if p["arm"] not in ax.get_legend_handles_labels()[1] else None,
+        )
+        ax.annotate(
+            p["label"],
+            (kl["mean"], task["mean"]),
+            textcoords="offset points",
+            xytext=(5, 5),
+            fontsize=8,
+        )
+
+
+def _circle_best(ax, report: dict, part: str) -> None:
+    """Circle each point that is best for some η in `part`, naming those η."""
+    etas_of: dict[str, list[float]] = {}  # one label per point, whatever η chose it
+    for b in report["best"][part]:
+        etas_of.setdefault(b["label"], []).append(b["eta"])
+    for label, etas in etas_of.items():
+        p = next(q for q in report["points"] if q["label"] == label)
+        x, y = p[part]["kl"]["mean"], p[part]["task_reward"]["mean"]
+        ax.scatter([x], [y], s=220, facecolors="none", edgecolors="black", linewidths=1)
+        ax.annotate(
+            f"best η={', '.join(f'{e:g}' for e in etas)}",
+            (x, y),
+            textcoords="offset points",
+            xytext=(5, -12),
+            fontsize=7,
+        )
 
 
 def plot_curves(study_dir: Path, report: dict, out: Path, smooth: int = 10) -> None:

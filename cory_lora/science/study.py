@@ -42,7 +42,8 @@ from pathlib import Path
 
 from cory_lora.config import SECTIONS, load_recipe, toml_value
 from cory_lora.errors import ConfigError, Problem, UserError
-from cory_lora.run.outputs import atomic_write_text, read_jsonl
+from cory_lora.run.atomic import atomic_write_text
+from cory_lora.run.records import read_jsonl
 from cory_lora.services.distributed import check_batch_split
 
 STUDY_KEYS = (
@@ -129,49 +130,102 @@ def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study
     """Read and check a study file, and validate every run's recipe; one ConfigError lists every
     problem."""
     path = Path(path)
+    checks = _StudyChecks(_read_study_file(path))
+    settings = _settings(checks)
+    grid, arms = _grid(checks), _arms(checks)
+    checks.problems += _naming_problems(settings["seeds"], arms)
+    if checks.problems:
+        raise ConfigError(checks.problems)
+    study = Study(
+        path=path,
+        recipe=(path.parent / settings["recipe"]).resolve(),
+        seeds=tuple(settings["seeds"]),
+        overrides=(*settings["set"], *extra_overrides),
+        window=settings["window"],
+        etas=tuple(float(e) for e in settings["etas"]),
+        eval_limit=settings["eval_limit"],
+        processes=settings["processes"],
+        grid=grid,
+        arms=arms,
+    )
+    return study, _checked_runs(study)
+
+
+def _read_study_file(path: Path) -> dict:
+    """The study file's TOML table; UserError when there is no such file, ConfigError when it
+    is not TOML."""
     if not path.is_file():
         raise UserError(f"study {str(path)!r}: no such file")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError([Problem((), f"study {str(path)!r} is not valid TOML: {e}")]) from None
-    problems = [
-        Problem((k,), f"{k}: unknown study key (known: {', '.join(STUDY_KEYS)})")
-        for k in raw
-        if k not in STUDY_KEYS
-    ]
 
-    def check(key, ok, expected, default):
-        value = raw.get(key, default)
+
+class _StudyChecks:
+    """The keys of a study file, read one at a time: every value that is not what its key
+    expects becomes a Problem (and reads as the key's default, so checking goes on), after one
+    for each unknown key."""
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+        self.problems = [
+            Problem((k,), f"{k}: unknown study key (known: {', '.join(STUDY_KEYS)})")
+            for k in raw
+            if k not in STUDY_KEYS
+        ]
+
+    def get(self, key: str, ok, expected: str, default):
+        value = self.raw.get(key, default)
         if not ok(value):
-            problems.append(Problem((key,), f"{key} = {json.dumps(value)}: expected {expected}"))
+            self.problems.append(
+                Problem((key,), f"{key} = {json.dumps(value)}: expected {expected}")
+            )
             return default
         return value
 
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-    recipe = check("recipe", lambda v: isinstance(v, str) and v, "the base recipe's path", "")
-    seeds = check(
-        "seeds",
-        lambda v: isinstance(v, list) and v and all(is_int(s) and s >= 0 for s in v),
-        "a non-empty list of seeds (integers >= 0)",
-        [0],
-    )
-    sets = check(
-        "set",
-        lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
-        'a list of "section.key=value" strings',
-        [],
-    )
-    window = check("window", lambda v: is_int(v) and v > 0, "a positive integer", 10)
-    etas = check(
-        "etas",
-        lambda v: isinstance(v, list) and all(isinstance(e, (int, float)) and e >= 0 for e in v),
-        "a list of numbers >= 0",
-        [],
-    )
-    eval_limit = check("eval_limit", lambda v: is_int(v) and v >= 0, "an integer >= 0", 0)
-    processes = check("processes", lambda v: is_int(v) and v >= 1, "an integer >= 1", 1)
-    grid = check(
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _settings(checks: _StudyChecks) -> dict:
+    """The study's scalar and list keys (every key but grid and arms), by key."""
+    return {
+        "recipe": checks.get(
+            "recipe", lambda v: isinstance(v, str) and v, "the base recipe's path", ""
+        ),
+        "seeds": checks.get(
+            "seeds",
+            lambda v: isinstance(v, list) and v and all(_is_int(s) and s >= 0 for s in v),
+            "a non-empty list of seeds (integers >= 0)",
+            [0],
+        ),
+        "set": checks.get(
+            "set",
+            lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+            'a list of "section.key=value" strings',
+            [],
+        ),
+        "window": checks.get("window", lambda v: _is_int(v) and v > 0, "a positive integer", 10),
+        "etas": checks.get(
+            "etas",
+            lambda v: (
+                isinstance(v, list) and all(isinstance(e, (int, float)) and e >= 0 for e in v)
+            ),
+            "a list of numbers >= 0",
+            [],
+        ),
+        "eval_limit": checks.get(
+            "eval_limit", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0
+        ),
+        "processes": checks.get("processes", lambda v: _is_int(v) and v >= 1, "an integer >= 1", 1),
+    }
+
+
+def _grid(checks: _StudyChecks) -> dict:
+    """[grid]: dotted recipe key -> the values it takes (crossed with every arm)."""
+    return checks.get(
         "grid",
         lambda v: (
             isinstance(v, dict)
@@ -180,7 +234,11 @@ def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study
         'a table of "section.key" = [values]',
         {},
     )
-    arms = check(
+
+
+def _arms(checks: _StudyChecks) -> dict:
+    """[arms.NAME] tables: arm name -> a partial recipe (section -> key -> value)."""
+    return checks.get(
         "arms",
         lambda v: (
             isinstance(v, dict)
@@ -194,42 +252,40 @@ def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study
         "[arms.NAME] tables, each a partial recipe (sections of keys)",
         {},
     )
+
+
+def _naming_problems(seeds: list[int], arms: dict) -> list[Problem]:
+    """Seeds and arm names name run directories: a seed twice, or an arm name that is not a
+    usable directory name, would make two runs share one, or none."""
+    problems = []
     if len(set(seeds)) != len(seeds):
         problems.append(Problem(("seeds",), f"seeds = {seeds}: a seed appears twice"))
     for name in arms:
         if not name or any(c in name for c in '/\\:*?"<>|') or name.startswith("."):
             problems.append(Problem(("arms",), f"arms.{name}: not usable as a directory name"))
-    if problems:
-        raise ConfigError(problems)
-    base = (path.parent / recipe).resolve()
-    study = Study(
-        path=path,
-        recipe=base,
-        seeds=tuple(seeds),
-        overrides=(*sets, *extra_overrides),
-        window=window,
-        etas=tuple(float(e) for e in etas),
-        eval_limit=eval_limit,
-        processes=processes,
-        grid=grid,
-        arms=arms,
-    )
-    runs = []
+    return problems
+
+
+def _checked_runs(study: Study) -> list[Run]:
+    """Every run of the study with its iterations, once its recipe (the base with the run's
+    overrides) is valid and its batch splits over the study's processes; ConfigError listing
+    every run's problems otherwise."""
+    runs, problems = [], []
     for run in study.runs():
         try:
-            recipe_of_run = load_recipe(base, run.overrides)
+            recipe_of_run = load_recipe(study.recipe, run.overrides)
         except ConfigError as e:
             problems += [Problem(p.keys, f"{run.id}: {p.text}") for p in e.problems]
             continue
         try:
-            check_batch_split(recipe_of_run.ppo.batch_size, processes)
+            check_batch_split(recipe_of_run.ppo.batch_size, study.processes)
         except UserError as e:
             problems.append(Problem(("processes", "ppo.batch_size"), f"{run.id}: {e}"))
             continue
         runs.append(Run(run.arm, run.grid, run.seed, run.overrides, recipe_of_run.train.iterations))
     if problems:
         raise ConfigError(problems)
-    return study, runs
+    return runs
 
 
 # --------------------------------------------------------------------------- running
