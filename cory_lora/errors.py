@@ -28,10 +28,10 @@ class ConfigError(UserError):
 
     exit_code = 2
 
-    def __init__(self, problems: list[Problem]):
+    def __init__(self, problems: list[Problem], subject: str = "the recipe"):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p.text}" for p in self.problems)
-        super().__init__(f"the recipe has {len(self.problems)} problem(s):\n{lines}")
+        super().__init__(f"{subject} has {len(self.problems)} problem(s):\n{lines}")
 
 
 class RewardError(UserError):

@@ -67,9 +67,10 @@ def test_study_file_errors_are_listed_at_once(tmp_path):
     result = invoke("study", path)
     assert result.exit_code == 2
     for text in (
-        "recipe = 3: expected",
-        "seeds = []: expected",
-        "windw: unknown study key",
+        "the study has 4 problem(s)",
+        "recipe = 3: expected a string",
+        "seeds = []: must not be empty",
+        "windw: unknown key (did you mean window?)",
         "arms = ",
     ):
         assert text in " ".join(result.output.split())

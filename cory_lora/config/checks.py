@@ -4,10 +4,10 @@ key with a bad value at its default first, so these run even then)."""
 
 from __future__ import annotations
 
-import json
 import re
 import string
 
+from cory_lora.config.problems import show
 from cory_lora.config.sections import REQUIRED, SECTIONS, Recipe
 from cory_lora.errors import Problem
 from cory_lora.services.fetch import is_fetched_name, unknown_name_problem
@@ -36,21 +36,12 @@ def problem(keys: str, text: str) -> Problem:
     return Problem(tuple(keys.split()), text)
 
 
-def show(value) -> str:
-    """A value as the user wrote it in TOML."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (str, list, dict)):
-        return json.dumps(value)
-    return str(value)
-
-
 def required(r: Recipe) -> list[Problem]:
     out = []
     for dotted in REQUIRED:
         section, key = dotted.split(".")
         if not getattr(getattr(r, section), key):
-            doc = SECTIONS[section].model_fields[key].description
+            doc = SECTIONS[section].doc(key)
             out.append(problem(dotted, f"{dotted}: required ({doc})"))
     return out
 

@@ -15,7 +15,7 @@ def describe_keys() -> str:
         for key, info in cls.model_fields.items():
             default = info.get_default(call_default_factory=True)
             shown = "(required)" if f"{section}.{key}" in REQUIRED else f"`{toml_value(default)}`"
-            out.append(f"| `{key}` | {shown} | {info.description} |")
+            out.append(f"| `{key}` | {shown} | {cls.doc(key)} |")
         out.append("")
     settable = ", ".join(f"`{s}.{k}`" for s, keys in PER_AGENT.items() for k in keys)
     out += [

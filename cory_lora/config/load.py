@@ -16,14 +16,14 @@ import json
 import re
 import tomllib
 import typing
-from difflib import get_close_matches
 from pathlib import Path
 from typing import Literal
 
 import tomli_w
 from pydantic import ValidationError
 
-from cory_lora.config.checks import cross_checks, show
+from cory_lora.config.checks import cross_checks
+from cory_lora.config.problems import schema_problems, show
 from cory_lora.config.sections import PER_AGENT, SECTIONS, AgentOverride, Recipe, Section, to_dict
 from cory_lora.errors import ConfigError, Problem
 
@@ -83,57 +83,9 @@ def build_section(name: str, cls: type[Section], table: dict, problems: list[Pro
     try:
         return cls.model_validate(table)
     except ValidationError as e:
-        bad = set()
-        for error in e.errors():
-            key = str(error["loc"][0])
-            bad.add(key)
-            problems.append(_problem(name, cls, key, table.get(key), error))
+        problems.extend(schema_problems(e, cls, table, prefix=f"{name}."))
+        bad = {str(error["loc"][0]) for error in e.errors()}
         return cls.model_validate({k: v for k, v in table.items() if k not in bad})
-
-
-def _problem(section: str, cls: type[Section], key: str, value, error: dict) -> Problem:
-    """One pydantic error in the words of a recipe: the dotted key, the value, what it must be."""
-    dotted = f"{section}.{key}"
-    if error["type"] == "extra_forbidden":
-        fields = list(cls.model_fields)
-        close = [k for k in fields if k.startswith(key[:3])] or get_close_matches(key, fields)
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        return Problem((dotted,), f"{dotted}: unknown key{hint}")
-    text = _expected(cls.model_fields[key].annotation, error)
-    return Problem((dotted,), f"{dotted} = {show(value)}: {text}")
-
-
-BOUNDS = {
-    "greater_than": ("gt", ">"),
-    "greater_than_equal": ("ge", ">="),
-    "less_than": ("lt", "<"),
-    "less_than_equal": ("le", "<="),
-}
-TYPE_WORDS = {
-    "bool_type": "expected true or false",
-    "int_type": "expected an integer",
-    "float_type": "expected a number",
-    "string_type": "expected a string",
-    "finite_number": "must be a finite number",
-}
-
-
-def _expected(annotation, error: dict) -> str:
-    kind = error["type"]
-    if kind in BOUNDS:
-        name, word = BOUNDS[kind]
-        bound = error["ctx"][name]
-        bound = int(bound) if isinstance(bound, float) and bound.is_integer() else bound
-        return f"must be {word} {bound}"
-    if kind == "literal_error":
-        return f"must be one of {', '.join(map(str, typing.get_args(annotation)))}"
-    origin = typing.get_origin(annotation)
-    if origin is dict:
-        return 'expected a table of strings, e.g. { old = "new" }'
-    if origin is tuple:
-        item = typing.get_args(typing.get_args(annotation)[0])[0]
-        return f"expected a list of {'strings' if item is str else 'integers'}"
-    return TYPE_WORDS.get(kind, error["msg"])
 
 
 def _agent_overrides(tables, problems: list[Problem]) -> tuple[AgentOverride, ...]:

@@ -39,24 +39,17 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
 from cory_lora.config import SECTIONS, load_recipe, toml_value
+from cory_lora.config.problems import schema_problems
 from cory_lora.errors import ConfigError, Problem, UserError
 from cory_lora.run.atomic import atomic_write_text
 from cory_lora.run.records import read_jsonl
 from cory_lora.services.distributed import check_batch_split
 
-STUDY_KEYS = (
-    "recipe",
-    "seeds",
-    "set",
-    "window",
-    "etas",
-    "eval_limit",
-    "processes",
-    "grid",
-    "arms",
-)
 STATE_FILE = "study.json"
 
 
@@ -126,27 +119,74 @@ def _arm_overrides(table: dict) -> list[str]:
     ]
 
 
+class StudyFile(BaseModel):
+    """A study file's keys (the module docstring shows one); unknown keys are refused."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    recipe: Annotated[str, Strict(), Field(min_length=1)]
+    """The base recipe's path, relative to the study file."""
+    seeds: list[Annotated[int, Strict(), Field(ge=0)]] = Field([0], min_length=1)
+    """Seeds, each run of every arm and grid point once per seed."""
+    set: list[Annotated[str, Strict()]] = []
+    """`section.key=value` overrides for every run."""
+    window: Annotated[int, Strict(), Field(gt=0)] = 10
+    """The report's final window, in iterations."""
+    etas: list[Annotated[float, Strict(), Field(ge=0)]] = []
+    """Frontier: each arm's best point under task reward - eta * KL, per eta."""
+    eval_limit: Annotated[int, Strict(), Field(ge=0)] = 0
+    """> 0: held-out `cory-lora eval` of each run on this many prompts."""
+    processes: Annotated[int, Strict(), Field(ge=1)] = 1
+    """> 1: each run under torchrun with this many ranks."""
+    grid: dict[str, Any] = {}
+    """Dotted recipe key -> the values it takes (crossed with every arm)."""
+    arms: dict[str, Any] = Field(min_length=1)
+    """Arm name -> a partial recipe (section -> key -> value)."""
+
+    @field_validator("grid")
+    @classmethod
+    def _grid_of_lists(cls, grid: dict) -> dict:
+        if not all("." in k and isinstance(v, list) and v for k, v in grid.items()):
+            raise ValueError('expected a table of "section.key" = [values]')
+        return grid
+
+    @field_validator("arms")
+    @classmethod
+    def _arms_of_sections(cls, arms: dict) -> dict:
+        tables = arms.values()
+        if not all(isinstance(t, dict) and _sections_only(t) for t in tables):
+            raise ValueError(
+                "expected [arms.NAME] tables, each a partial recipe (sections of keys)"
+            )
+        return arms
+
+
+def _sections_only(table: dict) -> bool:
+    return all(s in SECTIONS and isinstance(keys, dict) for s, keys in table.items())
+
+
 def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study, list[Run]]:
     """Read and check a study file, and validate every run's recipe; one ConfigError lists every
     problem."""
     path = Path(path)
-    checks = _StudyChecks(_read_study_file(path))
-    settings = _settings(checks)
-    grid, arms = _grid(checks), _arms(checks)
-    checks.problems += _naming_problems(settings["seeds"], arms)
-    if checks.problems:
-        raise ConfigError(checks.problems)
+    raw = _read_study_file(path)
+    try:
+        spec = StudyFile.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(schema_problems(e, StudyFile, raw), "the study") from None
+    if problems := _naming_problems(spec.seeds, spec.arms):
+        raise ConfigError(problems, "the study")
     study = Study(
         path=path,
-        recipe=(path.parent / settings["recipe"]).resolve(),
-        seeds=tuple(settings["seeds"]),
-        overrides=(*settings["set"], *extra_overrides),
-        window=settings["window"],
-        etas=tuple(float(e) for e in settings["etas"]),
-        eval_limit=settings["eval_limit"],
-        processes=settings["processes"],
-        grid=grid,
-        arms=arms,
+        recipe=(path.parent / spec.recipe).resolve(),
+        seeds=tuple(spec.seeds),
+        overrides=(*spec.set, *extra_overrides),
+        window=spec.window,
+        etas=tuple(spec.etas),
+        eval_limit=spec.eval_limit,
+        processes=spec.processes,
+        grid=spec.grid,
+        arms=spec.arms,
     )
     return study, _checked_runs(study)
 
@@ -159,99 +199,8 @@ def _read_study_file(path: Path) -> dict:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError([Problem((), f"study {str(path)!r} is not valid TOML: {e}")]) from None
-
-
-class _StudyChecks:
-    """The keys of a study file, read one at a time: every value that is not what its key
-    expects becomes a Problem (and reads as the key's default, so checking goes on), after one
-    for each unknown key."""
-
-    def __init__(self, raw: dict):
-        self.raw = raw
-        self.problems = [
-            Problem((k,), f"{k}: unknown study key (known: {', '.join(STUDY_KEYS)})")
-            for k in raw
-            if k not in STUDY_KEYS
-        ]
-
-    def get(self, key: str, ok, expected: str, default):
-        value = self.raw.get(key, default)
-        if not ok(value):
-            self.problems.append(
-                Problem((key,), f"{key} = {json.dumps(value)}: expected {expected}")
-            )
-            return default
-        return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _settings(checks: _StudyChecks) -> dict:
-    """The study's scalar and list keys (every key but grid and arms), by key."""
-    return {
-        "recipe": checks.get(
-            "recipe", lambda v: isinstance(v, str) and v, "the base recipe's path", ""
-        ),
-        "seeds": checks.get(
-            "seeds",
-            lambda v: isinstance(v, list) and v and all(_is_int(s) and s >= 0 for s in v),
-            "a non-empty list of seeds (integers >= 0)",
-            [0],
-        ),
-        "set": checks.get(
-            "set",
-            lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
-            'a list of "section.key=value" strings',
-            [],
-        ),
-        "window": checks.get("window", lambda v: _is_int(v) and v > 0, "a positive integer", 10),
-        "etas": checks.get(
-            "etas",
-            lambda v: (
-                isinstance(v, list) and all(isinstance(e, (int, float)) and e >= 0 for e in v)
-            ),
-            "a list of numbers >= 0",
-            [],
-        ),
-        "eval_limit": checks.get(
-            "eval_limit", lambda v: _is_int(v) and v >= 0, "an integer >= 0", 0
-        ),
-        "processes": checks.get("processes", lambda v: _is_int(v) and v >= 1, "an integer >= 1", 1),
-    }
-
-
-def _grid(checks: _StudyChecks) -> dict:
-    """[grid]: dotted recipe key -> the values it takes (crossed with every arm)."""
-    return checks.get(
-        "grid",
-        lambda v: (
-            isinstance(v, dict)
-            and all(isinstance(x, list) and x and "." in k for k, x in v.items())
-        ),
-        'a table of "section.key" = [values]',
-        {},
-    )
-
-
-def _arms(checks: _StudyChecks) -> dict:
-    """[arms.NAME] tables: arm name -> a partial recipe (section -> key -> value)."""
-    return checks.get(
-        "arms",
-        lambda v: (
-            isinstance(v, dict)
-            and v
-            and all(
-                isinstance(t, dict)
-                and all(s in SECTIONS and isinstance(x, dict) for s, x in t.items())
-                for t in v.values()
-            )
-        ),
-        "[arms.NAME] tables, each a partial recipe (sections of keys)",
-        {},
-    )
+        problem = Problem((), f"study {str(path)!r} is not valid TOML: {e}")
+        raise ConfigError([problem], "the study") from None
 
 
 def _naming_problems(seeds: list[int], arms: dict) -> list[Problem]:
@@ -284,7 +233,7 @@ def _checked_runs(study: Study) -> list[Run]:
             continue
         runs.append(Run(run.arm, run.grid, run.seed, run.overrides, recipe_of_run.train.iterations))
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, "the study")
     return runs
 
 
