@@ -34,6 +34,9 @@ class ConfigError(UserError):
         super().__init__(f"{subject} has {len(self.problems)} problem(s):\n{lines}")
 
 
+PEER_LOST_EXIT = 3  # a rank whose collectives lost another rank (which failed or was stopped)
+
+
 class RewardError(UserError):
     """The reward raised, or returned something that is not one number per completion."""
 

@@ -1,13 +1,16 @@
-"""Data parallelism with torchrun, on CPU with the gloo backend and 2 processes: the 2-rank update
-equals the 1-rank update on the whole batch, a 2-rank run survives a kill of one rank and
-resumes, and a batch that does not split across the ranks is refused before training."""
+"""Data parallelism on CPU with the gloo backend and 2 processes, started by torchrun or by our
+own `--nproc-per-node`: the 2-rank update equals the 1-rank update on the whole batch, a 2-rank
+run survives a kill of one rank and resumes, a SIGTERM stops every rank with a checkpoint, and a
+batch that does not split across the ranks is refused before training."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -105,23 +108,39 @@ def _adapters(run_dir):
     }
 
 
+def launched(*args, kill_at: str | None = None, timeout: int = 600):
+    """`cory-lora ARGS --nproc-per-node 2` as a real process: our own launcher."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("CORY_LORA_KILL_AT", None)
+    if kill_at:
+        env["CORY_LORA_KILL_AT"] = kill_at
+    command = [sys.executable, "-m", "cory_lora", *map(str, args), "--nproc-per-node", "2"]
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
 def test_two_rank_run_killed_then_resumed_equals_an_uninterrupted_one(
     tmp_path, tiny_model_dir, arith_file
 ):
+    """The uninterrupted run under plain torchrun; the killed and the resumed one under
+    `--nproc-per-node 2`: both ways of launching train the same."""
     recipe = _recipe(tmp_path, tiny_model_dir, arith_file)
     whole, broken = tmp_path / "whole", tmp_path / "broken"
     result = torchrun("-m", "cory_lora", "run", recipe, "--output-dir", whole, "--quiet")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("iteration 6/6") == 1  # rank 0 alone speaks
     # rank 1 dies after its 11th optimizer step: in iteration 3 (2 agents x 2 steps each)
-    killed = torchrun(
-        "-m", "cory_lora", "run", recipe, "--output-dir", broken, "--quiet", kill_at="update:11@1"
-    )
-    assert killed.returncode != 0
+    killed = launched("run", recipe, "--output-dir", broken, "--quiet", kill_at="update:11@1")
+    assert killed.returncode == 137, killed.stderr[-3000:]
+    # one line names the rank, how it ended and where its output is; no launcher traceback
+    assert "rank 1 was killed by SIGKILL; its output: " in killed.stderr
+    assert "Traceback" not in killed.stderr and "ChildFailedError" not in killed.stderr
     assert [m["iteration"] for m in read_jsonl(broken / "metrics.jsonl")] == [1, 2]
-    resumed = torchrun("-m", "cory_lora", "resume", broken, "--quiet")
+    resumed = launched("resume", broken, "--quiet")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from iter-000002" in resumed.stdout
+    assert resumed.stdout.count("iteration 6/6") == 1
     metrics = read_jsonl(broken / "metrics.jsonl")
     assert [m["iteration"] for m in metrics] == [1, 2, 3, 4, 5, 6]
 
@@ -151,6 +170,14 @@ def test_a_batch_that_does_not_split_is_refused_before_training(
     message = "ppo.batch_size = 9 does not split across 2 processes"
     assert (result.stdout + result.stderr).count(message) == 1  # said once, by rank 0
     assert not out.exists()
+    # with our launcher: checked before any rank starts, one line, exit 2
+    result = launched("run", recipe, "--output-dir", out, "--quiet")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {message} (--nproc-per-node 2): "
+        "each process takes batch_size / 2 queries; choose a multiple of 2"
+    ]
+    assert not out.exists()
 
 
 def test_a_study_runs_each_run_under_torchrun(tmp_path, tiny_model_dir, arith_file):
@@ -166,7 +193,7 @@ def test_a_study_runs_each_run_under_torchrun(tmp_path, tiny_model_dir, arith_fi
     result = invoke("study", study, "--output-dir", tmp_path / "s")
     assert result.exit_code == 0, result.output
     log = (tmp_path / "s" / "logs" / "cory__seed-0.log").read_text()
-    assert "--nproc-per-node=2" in log.splitlines()[0]
+    assert log.splitlines()[0].endswith("--nproc-per-node=2")  # our launcher, 2 ranks
     assert [m["iteration"] for m in read_jsonl(tmp_path / "s/cory/seed-0/metrics.jsonl")] == [1, 2]
     # a batch that does not split across the ranks is refused when the study is read
     study.write_text(
@@ -218,3 +245,43 @@ def test_two_rank_critic_free_update_equals_one_rank(
     for a, b in zip(one["stats"], two["stats"], strict=True):
         for key, value in a.items():
             assert b[key] == (value if value is None else pytest.approx(value, rel=1e-4, abs=1e-5))
+
+
+def _processes_running(marker: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    return found.stdout.split()
+
+
+@pytest.mark.parametrize("kill", ["SIGTERM", "SIGKILL"])
+def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, tiny_model_dir, arith_file, kill):
+    """SIGTERM (what clusters and Docker send): every rank finishes its iteration, the run
+    checkpoints, exit 143. SIGKILL: the launcher cannot act, but no rank outlives it."""
+    recipe = _recipe(tmp_path, tiny_model_dir, arith_file, iterations=500)
+    out = tmp_path / f"run-{kill}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "cory_lora", "run", recipe, "--output-dir", out, "--quiet"]
+    process = subprocess.Popen(
+        [*map(str, command), "--nproc-per-node", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 300
+    while not (out / "metrics.jsonl").is_file() or len(read_jsonl(out / "metrics.jsonl")) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    process.send_signal(getattr(signal, kill))
+    stdout, stderr = process.communicate(timeout=300)
+    time.sleep(1)
+    assert not _processes_running(str(out)), "a rank outlived the launcher"
+    if kill == "SIGKILL":
+        return
+    assert process.returncode == 143, stderr[-3000:]
+    assert "SIGTERM: finishing this iteration, then a checkpoint" in stdout
+    done = len(read_jsonl(out / "metrics.jsonl"))
+    assert (out / "checkpoints" / f"iter-{done:06d}").is_dir()
+    assert f"stopped after iteration {done}" in stderr
+    assert f"cory-lora resume {out} --nproc-per-node 2" in stderr
+    assert "Traceback" not in stderr

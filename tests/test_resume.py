@@ -111,7 +111,13 @@ def test_killed_repeatedly_then_resumed_equals_an_uninterrupted_run(recipe, refe
     assert checkpoints == ["iter-000006", "iter-000008"]  # keep_checkpoints = 2, no leftovers
 
 
-def test_ctrl_c_checkpoints_exits_130_and_resumes_identically(recipe, reference, tmp_path):
+@pytest.mark.parametrize(
+    "signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)]
+)
+def test_a_stop_signal_checkpoints_exits_128_plus_it_and_resumes_identically(
+    recipe, reference, tmp_path, signum, code
+):
+    """Ctrl-C, and SIGTERM (clusters, Docker, schedulers) and SIGHUP (a closed terminal) alike."""
     out = tmp_path / "run"
     command, env = cli("run", recipe, "--output-dir", out, "--quiet")
     process = subprocess.Popen(
@@ -120,9 +126,9 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes_identically(recipe, reference,
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "metrics.jsonl").exists():
         time.sleep(0.02)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr[-3000:]
+    assert process.returncode == code, stderr[-3000:]
     assert "Resume with: cory-lora resume" in " ".join(stderr.split())
     assert "Traceback" not in stderr
     done = len((out / "metrics.jsonl").read_text().splitlines())

@@ -263,3 +263,31 @@ def test_shipped_studies_validate(name):
     assert len(runs) == len(study.seeds) * len(study.arms) * max(
         1, int(np.prod([len(v) for v in study.grid.values()]))
     )
+
+
+@pytest.mark.parametrize("kill", ["SIGTERM", "SIGKILL"])
+def test_a_signal_to_the_study_reaches_its_run(study_file, tmp_path, kill):
+    """SIGTERM to the study alone (a scheduler's stop): passed on to the run in progress, which
+    checkpoints; the study records it as interrupted and exits 143. SIGKILL: the study cannot
+    act, but its run does not outlive it."""
+    path, out = study_file(ARMS, 'set = ["train.iterations=500"]'), tmp_path / "study"
+    command, env = cli_command("study", path, "--output-dir", out)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = out / "cory" / "seed-0"
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(first.glob("checkpoints/iter-*")):
+        time.sleep(0.05)
+    assert process.poll() is None, "the study ended before the signal"
+    process.send_signal(getattr(signal, kill))
+    _, stderr = process.communicate(timeout=300)
+    time.sleep(2)  # the kernel's SIGTERM to an orphan, then its checkpoint
+    running = subprocess.run(["pgrep", "-f", str(first)], capture_output=True, text=True)
+    assert not running.stdout.split(), "the run outlived the study"
+    if kill == "SIGKILL":
+        return
+    assert process.returncode == 143, stderr.decode()[-2000:]
+    state = json.loads((out / "study.json").read_text())
+    assert state["runs"][0]["status"] == "interrupted"
+    done = len(read_jsonl(first / "metrics.jsonl"))
+    assert (first / "checkpoints" / f"iter-{done:06d}").is_dir()
+    assert "study interrupted" in stderr.decode()

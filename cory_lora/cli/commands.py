@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -24,9 +26,23 @@ import typer
 from rich.markup import escape
 
 from cory_lora.cli.console import make_console
+from cory_lora.cli.launch import (
+    EndpointOpt,
+    Launch,
+    NnodesOpt,
+    NodeRankOpt,
+    NprocOpt,
+    launch,
+)
 from cory_lora.config import describe_keys, load_recipe, recipe_toml
-from cory_lora.errors import ENVIRONMENT_ERRNOS, Stopped, UserError, os_error_message
-from cory_lora.run.interrupts import Interrupted
+from cory_lora.errors import (
+    ENVIRONMENT_ERRNOS,
+    PEER_LOST_EXIT,
+    Stopped,
+    UserError,
+    os_error_message,
+)
+from cory_lora.run.interrupts import STOP_SIGNALS, Interrupted, exit_code, stop_like_ctrl_c
 from cory_lora.run.rundir import check_holds_a_run
 
 app = typer.Typer(
@@ -35,6 +51,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="CORY: two LoRA agents on one shared (4-bit) base model learn a task together with PPO.",
 )
+STOP_CODES = {128 + int(s) for s in STOP_SIGNALS}  # exit codes of a stop by signal
 console = make_console()
 error_console = make_console(stderr=True)
 
@@ -54,17 +71,25 @@ def user_errors():
     one message that calls it a bug, its traceback saved to a file."""
     try:
         yield
-    except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
-        raise
+    except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+        raise  # an exit code already decided (typer's Exit is not click's)
     except UserError as e:
         if console.quiet:  # a torchrun rank other than 0: rank 0 says it
             raise typer.Exit(e.exit_code) from None
-        if e.exit_code != 130:
+        if e.exit_code not in STOP_CODES:
             _error(f"[bold red]error:[/] {escape(str(e))}", e.exit_code)
         text = str(e) if str(e).startswith("stopped") else f"stopped: {e}"
-        _error(f"[bold yellow]{escape(text)}[/]", 130)
-    except KeyboardInterrupt:
-        _error("[bold yellow]stopped.[/]", 130)
+        _error(f"[bold yellow]{escape(text)}[/]", e.exit_code)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
+        _error(f"[bold yellow]stopped{f' ({e})' if str(e) else ''}.[/]", exit_code(e))
+    except RuntimeError as e:
+        if not _lost_a_peer(e):
+            _internal_error(e)
+        _error(
+            "[bold red]error:[/] lost contact with another rank (it failed or was stopped; the "
+            "launcher names it): " + escape(str(e).splitlines()[0][:200]),
+            PEER_LOST_EXIT,
+        )
     except OSError as e:
         if e.errno not in ENVIRONMENT_ERRNOS:
             _internal_error(e)
@@ -82,7 +107,20 @@ def user_errors():
 
 def _error(markup: str, code: int):
     error_console.print(markup, highlight=False, soft_wrap=True)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):  # on the way out: no second message
+            signal.signal(signum, signal.SIG_DFL)
     raise typer.Exit(code) from None
+
+
+def _lost_a_peer(error: RuntimeError) -> bool:
+    """Whether a collective failed because another rank is gone (several ranks only)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # the process group may be gone by now
+        return False
+    import torch.distributed as dist
+
+    lost = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+    return isinstance(error, dist.DistError) or any(text in str(error) for text in lost)
 
 
 def _internal_error(e: BaseException):
@@ -132,6 +170,10 @@ def run(
     resume: Annotated[
         bool, typer.Option(help="Continue the run in --output-dir from its newest checkpoint.")
     ] = False,
+    nproc_per_node: NprocOpt = 1,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: EndpointOpt = "",
 ) -> None:
     """Train with a recipe."""
     with user_errors():
@@ -141,6 +183,14 @@ def run(
         if resume and not (output_dir or config.train.output_dir):
             raise UserError("--resume needs --output-dir (the run to continue)")
         path = output_dir or Path(config.train.output_dir or default_output_dir(recipe))
+        spec = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+        if spec.wanted:  # the ranks run this command, each with its share of the batch
+            spec.check(config.ppo.batch_size, config.model.device)
+            flags = [f for f, on in (("--overwrite", overwrite), ("--quiet", quiet)) if on]
+            flags += ["--resume"] if resume else []
+            return launch(
+                spec, ["run", str(recipe), *_sets(set_), "--output-dir", str(path), *flags]
+            )
         _train(config, str(recipe), path, overwrite, quiet, resume)
 
 
@@ -151,12 +201,25 @@ def resume(
     quiet: Annotated[
         bool, typer.Option(help="Plain log lines, no progress display and no recipe echo.")
     ] = False,
+    nproc_per_node: NprocOpt = 1,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: EndpointOpt = "",
 ) -> None:
     """Continue a run from its newest checkpoint, with the recipe it saved (plus --set)."""
     with user_errors():
         check_holds_a_run(run_dir)
         config = load_recipe(run_dir / "config.toml", set_ or [])
+        spec = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+        if spec.wanted:
+            spec.check(config.ppo.batch_size, config.model.device)
+            flags = ["--quiet"] if quiet else []
+            return launch(spec, ["resume", str(run_dir), *_sets(set_), *flags])
         _train(config, str(run_dir / "config.toml"), run_dir, False, quiet, True)
+
+
+def _sets(overrides: list[str] | None) -> list[str]:
+    return [x for o in overrides or () for x in ("--set", o)]
 
 
 def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
@@ -427,6 +490,12 @@ def study(
     output_dir: Annotated[
         Path | None, typer.Option(help="Study directory (default: runs/<study file name>).")
     ] = None,
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc-per-node", min=1, help="Ranks per run (default: the study's `processes`)."
+        ),
+    ] = None,
 ) -> None:
     """Run every (arm, grid point, seed) of a study, then write its report. Run it again to
     resume: finished runs are skipped, an interrupted one resumes from its checkpoint."""
@@ -435,15 +504,16 @@ def study(
         from cory_lora.science.report import write_report
         from cory_lora.science.study import StudyRunner, default_study_dir, load_study
 
-        plan, runs = load_study(study_file, tuple(set_ or ()))
+        plan, runs = load_study(study_file, tuple(set_ or ()), nproc_per_node)
         path = default_study_dir(plan, str(output_dir) if output_dir else None)
         console.print(f"[bold]study[/] {study_file} -> [bold]{path}[/]", highlight=False)
         try:
             records = StudyRunner(plan, runs, path, StudyDisplay(console)).run()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             raise Interrupted(
                 f"study interrupted; the run in progress checkpointed. Continue with: "
-                f"cory-lora study {study_file} --output-dir {path}"
+                f"cory-lora study {study_file} --output-dir {path}",
+                exit_code(e) - 128,
             ) from None
         failed = [r for r in records.values() if r["status"] != "done"]
         write_report(path)
@@ -536,4 +606,5 @@ def keys() -> None:
 
 
 def main() -> None:
+    stop_like_ctrl_c()
     app()

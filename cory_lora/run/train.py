@@ -31,6 +31,7 @@ finishes the iteration and checkpoints, the second stops at once (interrupts.py)
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,7 +134,7 @@ def run(
                 train_iteration(setup, state)
                 # 6. Checkpoint when due, at the end, or when Ctrl-C asked to stop.
                 done = state.iteration == recipe.train.iterations
-                stopping = distributed.any_rank(stop.requested)  # all ranks stop together
+                stopping = distributed.any_rank(bool(stop.requested))  # all ranks stop together
                 if done or stopping or state.iteration % recipe.train.checkpoint_every == 0:
                     checkpoint = save_checkpoint(
                         run_dir.path, setup.agents, state, recipe.train.keep_checkpoints
@@ -141,7 +142,8 @@ def run(
                 if stopping:
                     raise Interrupted(
                         f"stopped after iteration {state.iteration}; checkpoint {checkpoint}. "
-                        f"Resume with: {distributed.cli(f'resume {run_dir.path}')}"
+                        f"Resume with: {distributed.cli(f'resume {run_dir.path}')}",
+                        stop.requested or signal.SIGINT,  # another rank's signal: as Ctrl-C
                     )
         display.stop()
         run_dir.save_final(setup.agents)

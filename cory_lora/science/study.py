@@ -9,7 +9,7 @@ A study file (TOML):
     window = 50                              # final window of the report, in iterations
     etas = [0.03, 0.1, 0.3]                  # frontier: each arm's best point under task - η·KL
     eval_limit = 100                         # > 0: held-out `cory-lora eval` of each run
-    processes = 1                            # > 1: each run under torchrun, that many ranks
+    processes = 1                            # > 1: each run in that many ranks (--nproc-per-node)
 
     [grid]                                   # optional, crossed with every arm
     "ppo.init_kl_coef" = [0.03, 0.1, 0.3]
@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -47,10 +46,13 @@ from cory_lora.config import SECTIONS, load_recipe, toml_value
 from cory_lora.config.problems import schema_problems
 from cory_lora.errors import ConfigError, Problem, UserError
 from cory_lora.run.atomic import atomic_write_text
+from cory_lora.run.interrupts import STOP_SIGNALS, Terminated, child_environment
 from cory_lora.run.records import read_jsonl
 from cory_lora.services.distributed import check_batch_split
 
 STATE_FILE = "study.json"
+# A run's exit codes when a signal stopped it: 128 + the signal (handled), or minus it (not).
+STOPPED_CODES = {sign * (base + int(s)) for s in STOP_SIGNALS for sign, base in ((1, 128), (-1, 0))}
 
 
 @dataclass(frozen=True)
@@ -165,9 +167,11 @@ def _sections_only(table: dict) -> bool:
     return all(s in SECTIONS and isinstance(keys, dict) for s, keys in table.items())
 
 
-def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study, list[Run]]:
+def load_study(
+    path: Path, extra_overrides: tuple[str, ...] = (), processes: int | None = None
+) -> tuple[Study, list[Run]]:
     """Read and check a study file, and validate every run's recipe; one ConfigError lists every
-    problem."""
+    problem. `processes` (--nproc-per-node) replaces the file's `processes`."""
     path = Path(path)
     raw = _read_study_file(path)
     try:
@@ -184,7 +188,7 @@ def load_study(path: Path, extra_overrides: tuple[str, ...] = ()) -> tuple[Study
         window=spec.window,
         etas=tuple(spec.etas),
         eval_limit=spec.eval_limit,
-        processes=spec.processes,
+        processes=processes or spec.processes,
         grid=spec.grid,
         arms=spec.arms,
     )
@@ -265,11 +269,9 @@ def records_complete(run_dir: Path) -> bool:
 
 
 def cli_command(*args, processes: int = 1) -> list[str]:
-    """`cory-lora ARGS` as a process, under torchrun when `processes` > 1."""
-    if processes > 1:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-        return [sys.executable, *launcher, "-m", "cory_lora", *map(str, args)]
-    return [sys.executable, "-m", "cory_lora.cli", *map(str, args)]
+    """`cory-lora ARGS` as a process, in `processes` ranks when more than 1."""
+    ranks = [f"--nproc-per-node={processes}"] if processes > 1 else []
+    return [sys.executable, "-m", "cory_lora", *map(str, args), *ranks]
 
 
 class StudyRunner:
@@ -278,6 +280,7 @@ class StudyRunner:
     def __init__(self, study: Study, runs: list[Run], study_dir: Path, display):
         self.study, self.runs, self.dir, self.display = study, runs, Path(study_dir), display
         self.records: dict[str, dict] = {}
+        self.interrupt: KeyboardInterrupt | None = None  # a signal that stopped the study
 
     def write_state(self) -> None:
         state = {
@@ -341,10 +344,10 @@ class StudyRunner:
         record = self.records[run.id]
         if code == 0 and run_state(out) == "done":
             record.update(status="done", error=None)
-        elif code in (130, -signal.SIGINT):
+        elif self.interrupt or code in STOPPED_CODES:
             record.update(status="interrupted")
             self.write_state()
-            raise KeyboardInterrupt
+            raise self.interrupt or Terminated(abs(code) % 128)
         else:
             record.update(status="failed", error=_last_error(self._log(run)))
         self.write_state()
@@ -358,16 +361,20 @@ class StudyRunner:
         with open(self._log(run), "a", encoding="utf-8") as log:
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env = child_environment()  # the child dies with the study, even by kill -9
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
             try:
                 while process.poll() is None:
                     self.display.progress(run, _iterations_done(out))
                     time.sleep(0.5)
-            except KeyboardInterrupt:
-                # The child got the same Ctrl-C: it finishes its iteration and checkpoints.
+            except KeyboardInterrupt as e:
+                # A Ctrl-C reached the child too (one process group); SIGTERM and SIGHUP were
+                # sent to the study alone: pass them on. The child finishes its iteration and
+                # checkpoints; the caller records the run as interrupted.
+                if isinstance(e, Terminated):
+                    process.send_signal(e.signum)
                 process.wait()
-                raise
+                self.interrupt = e
         self.display.progress(run, _iterations_done(out))
         return process.returncode
 
@@ -377,6 +384,8 @@ class StudyRunner:
             return
         command = cli_command("eval", out, "--limit", self.study.eval_limit)
         code = self._watch(command, run, out)
+        if self.interrupt:
+            raise self.interrupt
         if code != 0:
             self.records[run.id]["error"] = "eval: " + _last_error(self._log(run))
             self.write_state()

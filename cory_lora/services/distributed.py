@@ -68,8 +68,8 @@ def check_batch_split(batch_size: int, processes: int | None = None) -> None:
     k = processes or world_size()
     if batch_size % k:
         raise UserError(
-            f"ppo.batch_size = {batch_size} does not split across {k} processes (torchrun "
-            f"--nproc-per-node {k}): each process takes batch_size / {k} queries; choose a "
+            f"ppo.batch_size = {batch_size} does not split across {k} processes "
+            f"(--nproc-per-node {k}): each process takes batch_size / {k} queries; choose a "
             f"multiple of {k}"
         )
 
@@ -84,7 +84,7 @@ def cli(args: str) -> str:
     """The command line that runs `cory-lora ARGS` with this run's number of processes."""
     if world_size() == 1:
         return f"cory-lora {args}"
-    return f"torchrun --nproc-per-node {world_size()} -m cory_lora {args}"
+    return f"cory-lora {args} --nproc-per-node {world_size()}"
 
 
 def all_sum(tensor: torch.Tensor) -> torch.Tensor:
