@@ -49,17 +49,47 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    help="CORY: two LoRA agents on one shared (4-bit) base model learn a task together with PPO.",
+    rich_markup_mode=None,  # plain help, as argparse tools (torchrun, TRL, tune) print it
 )
+
+
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        from importlib.metadata import version
+
+        typer.echo(f"cory-lora {version('cory-lora')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """CORY: two LoRA agents on one shared (4-bit) base model learn a task together with PPO.
+
+    Every command takes --help. Exit codes: 0 done, 1 failed, 2 a recipe or usage problem,
+    3 a rank lost its peers, 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP (with a
+    checkpoint when training)."""
+
+
 STOP_CODES = {128 + int(s) for s in STOP_SIGNALS}  # exit codes of a stop by signal
 console = make_console()
 error_console = make_console(stderr=True)
 
-RecipeArg = Annotated[Path, typer.Argument(help="Recipe TOML file.", show_default=False)]
+RecipeArg = Annotated[
+    Path, typer.Argument(help="Recipe TOML file.", show_default=False, metavar="RECIPE")
+]
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--set", help="Override a recipe key: section.key=value (TOML value). Repeatable."
+        "--set",
+        metavar="SECTION.KEY=VALUE",
+        help="Override a recipe key (the value in TOML). Repeatable.",
     ),
 ]
 
@@ -162,13 +192,17 @@ def run(
         typer.Option(help="Run directory (default: train.output_dir or runs/<recipe>-<time>)."),
     ] = None,
     overwrite: Annotated[
-        bool, typer.Option(help="Replace an existing run in the output directory.")
+        bool, typer.Option("--overwrite", help="Replace an existing run in the output directory.")
     ] = False,
     quiet: Annotated[
-        bool, typer.Option(help="Plain log lines, no progress display and no recipe echo.")
+        bool,
+        typer.Option("--quiet", help="Plain log lines, no progress display and no recipe echo."),
     ] = False,
     resume: Annotated[
-        bool, typer.Option(help="Continue the run in --output-dir from its newest checkpoint.")
+        bool,
+        typer.Option(
+            "--resume", help="Continue the run in --output-dir from its newest checkpoint."
+        ),
     ] = False,
     nproc_per_node: NprocOpt = 1,
     nnodes: NnodesOpt = 1,
@@ -196,10 +230,14 @@ def run(
 
 @app.command()
 def resume(
-    run_dir: Annotated[Path, typer.Argument(help="Run directory to continue.", show_default=False)],
+    run_dir: Annotated[
+        Path,
+        typer.Argument(help="Run directory to continue.", show_default=False, metavar="RUN_DIR"),
+    ],
     set_: SetOpt = None,
     quiet: Annotated[
-        bool, typer.Option(help="Plain log lines, no progress display and no recipe echo.")
+        bool,
+        typer.Option("--quiet", help="Plain log lines, no progress display and no recipe echo."),
     ] = False,
     nproc_per_node: NprocOpt = 1,
     nnodes: NnodesOpt = 1,
@@ -346,7 +384,9 @@ def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
     console.print(f"[green]ok[/]: {escape(str(recipe))} is a valid recipe", highlight=False)
 
 
-RunArg = Annotated[Path, typer.Argument(help="Run directory.", show_default=False)]
+RunArg = Annotated[
+    Path, typer.Argument(help="Run directory.", show_default=False, metavar="RUN_DIR")
+]
 
 
 @app.command("eval")
@@ -416,7 +456,9 @@ def sample(
     ],
     agent: Annotated[str, typer.Option(help="llm1, llm2, or base (adapters disabled).")] = "llm1",
     n: Annotated[int, typer.Option(help="Samples to draw.")] = 1,
-    greedy: Annotated[bool, typer.Option(help="Greedy decoding instead of sampling.")] = False,
+    greedy: Annotated[
+        bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")
+    ] = False,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
 ) -> None:
     """Print an agent's answers to a prompt."""
@@ -480,7 +522,9 @@ def plan(
         raise typer.Exit(1)
 
 
-StudyArg = Annotated[Path, typer.Argument(help="Study TOML file.", show_default=False)]
+StudyArg = Annotated[
+    Path, typer.Argument(help="Study TOML file.", show_default=False, metavar="STUDY")
+]
 
 
 @app.command()
@@ -506,7 +550,8 @@ def study(
 
         plan, runs = load_study(study_file, tuple(set_ or ()), nproc_per_node)
         path = default_study_dir(plan, str(output_dir) if output_dir else None)
-        console.print(f"[bold]study[/] {study_file} -> [bold]{path}[/]", highlight=False)
+        study_line = f"[bold]study[/] {escape(str(study_file))} -> [bold]{escape(str(path))}[/]"
+        console.print(study_line, highlight=False)
         try:
             records = StudyRunner(plan, runs, path, StudyDisplay(console)).run()
         except KeyboardInterrupt as e:
@@ -517,11 +562,11 @@ def study(
             ) from None
         failed = [r for r in records.values() if r["status"] != "done"]
         write_report(path)
-    console.print(f"written {path / 'report.md'}", highlight=False)
+    console.print(f"written {path / 'report.md'}", highlight=False, markup=False)
     if failed:
         error_console.print(
             f"[bold red]{len(failed)} run(s) failed[/] (listed in the report): "
-            + ", ".join(r["id"] for r in failed),
+            + escape(", ".join(r["id"] for r in failed)),
             highlight=False,
             soft_wrap=True,
         )
@@ -530,14 +575,16 @@ def study(
 
 @app.command()
 def report(
-    study_dir: Annotated[Path, typer.Argument(help="Study directory.", show_default=False)],
+    study_dir: Annotated[
+        Path, typer.Argument(help="Study directory.", show_default=False, metavar="STUDY_DIR")
+    ],
 ) -> None:
     """(Re)write a study's report from its run directories: report.md, report.json, figures."""
     with user_errors():
         from cory_lora.science.report import write_report
 
         write_report(study_dir)
-    console.print(f"written {study_dir / 'report.md'}", highlight=False)
+    console.print(f"written {study_dir / 'report.md'}", highlight=False, markup=False)
 
 
 @app.command()
@@ -549,14 +596,18 @@ def export(
     agent: Annotated[str, typer.Option(help="The agent to export: llm1 or llm2.")] = "llm1",
     merge: Annotated[
         bool,
-        typer.Option(help="Write a merged model (base in its own dtype + LoRA), not an adapter."),
+        typer.Option(
+            "--merge", help="Write a merged model (base in its own dtype + LoRA), not an adapter."
+        ),
     ] = False,
     device: Annotated[str, typer.Option(help="Where to merge: cpu, cuda, cuda:N.")] = "cpu",
     push_to_hub: Annotated[
         str | None,
         typer.Option(help="Also upload the directory to this Hub repository (user/name)."),
     ] = None,
-    private: Annotated[bool, typer.Option(help="Create the Hub repository private.")] = False,
+    private: Annotated[
+        bool, typer.Option("--private", help="Create the Hub repository private.")
+    ] = False,
 ) -> None:
     """Export one agent of a finished run: PEFT adapter or merged model, value head, card."""
     with user_errors():
@@ -566,10 +617,10 @@ def export(
         from cory_lora.integrations.export import push_to_hub as push
 
         path = export_agent(run_dir, agent, out, merge=merge, device=device)
-        console.print(f"written {path}", highlight=False)
+        console.print(f"written {path}", highlight=False, markup=False)
         if push_to_hub:
             url = push(path, push_to_hub, private=private)
-            console.print(f"uploaded to {url}", highlight=False)
+            console.print(f"uploaded to {url}", highlight=False, markup=False)
 
 
 @app.command("fetch")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -216,11 +217,12 @@ class StudyDisplay:
     def begin(self, run, state: str) -> None:
         verb = {"resume": "resuming", "fresh": "running"}[state]
         if self._progress is None:
-            self.console.print(f"{verb} {run.id}", highlight=False, soft_wrap=True)
+            self.console.print(f"{verb} {run.id}", highlight=False, soft_wrap=True, markup=False)
             return
         if self._current is not None:
             self._progress.remove_task(self._current)
-        self._current = self._progress.add_task(f"{verb} {run.id}", total=run.iterations)
+        # run ids hold grid values as the user wrote them ([/INST] ...): never markup
+        self._current = self._progress.add_task(escape(f"{verb} {run.id}"), total=run.iterations)
 
     def progress(self, run, iterations_done: int) -> None:
         if self._progress is not None and self._current is not None:
@@ -231,12 +233,12 @@ class StudyDisplay:
         if record["error"]:
             text += f" ({record['error']})"
         if self._progress is None:
-            self.console.print(text, highlight=False, soft_wrap=True)
+            self.console.print(text, highlight=False, soft_wrap=True, markup=False)
             return
         done = sum(r["status"] == "done" for r in self._records.values())
         self._progress.update(self._overall, completed=done)
         if record["status"] != "done":
-            self._progress.console.print(text, highlight=False, soft_wrap=True)
+            self._progress.console.print(text, highlight=False, soft_wrap=True, markup=False)
 
     def stop(self) -> None:
         if self._progress is not None:

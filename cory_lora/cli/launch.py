@@ -37,19 +37,24 @@ NprocOpt = Annotated[
     typer.Option(
         "--nproc-per-node",
         min=1,
+        metavar="K",
         help="Processes (ranks) on this machine: data parallel, one GPU each (torchrun's "
         "--nproc-per-node).",
     ),
 ]
 NnodesOpt = Annotated[
-    int, typer.Option("--nnodes", min=1, help="Machines taking part (multi-node; default 1).")
+    int, typer.Option("--nnodes", min=1, metavar="N", help="Machines taking part (multi-node).")
 ]
 NodeRankOpt = Annotated[
-    int, typer.Option("--node-rank", min=0, help="This machine's rank among --nnodes.")
+    int, typer.Option("--node-rank", min=0, metavar="R", help="This machine's rank among --nnodes.")
 ]
 EndpointOpt = Annotated[
     str,
-    typer.Option("--rdzv-endpoint", help="HOST:PORT of node 0, where the nodes meet (multi-node)."),
+    typer.Option(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="Node 0's address, where the nodes meet (multi-node).",
+    ),
 ]
 SHUTDOWN_TIMEOUT_S = 3600  # the ranks' time to finish an iteration and checkpoint when stopped
 
