@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from cory_lora.errors import ConfigError
 from cory_lora.science.report import build_report, summarise
 from cory_lora.science.study import load_study
 
@@ -291,3 +292,38 @@ def test_a_signal_to_the_study_reaches_its_run(study_file, tmp_path, kill):
     done = len(read_jsonl(first / "metrics.jsonl"))
     assert (first / "checkpoints" / f"iter-{done:06d}").is_dir()
     assert "study interrupted" in stderr.decode()
+
+
+def test_grid_values_become_safe_unique_directory_names_and_bad_arm_names_are_refused(
+    study_file,
+):
+    # a chat template's [/INST] is a value like any other: its / must not make a subdirectory
+    values = "['../../{query}', '[INST] {query} [/INST]', '100% {query}']"
+    _, runs = load_study(study_file(ARMS, f"[grid]\n'data.prompt_template' = {values}"))
+    names = {run.relative_dir.parts[1] for run in runs}
+    assert names == {
+        'data.prompt_template="..%2F..%2F{query}"',
+        'data.prompt_template="[INST] {query} [%2FINST]"',
+        'data.prompt_template="100%25 {query}"',
+    }
+    assert all(len(run.relative_dir.parts) == 3 for run in runs)  # arm / point / seed
+    twice = "[grid]\n'data.prompt_template' = ['{query}', '{query}']"
+    arms = ARMS + '[arms."report.md"]\ntrain = { algorithm = "ppo" }\n'
+    with pytest.raises(ConfigError) as e:
+        load_study(study_file(arms, twice))
+    text = "\n".join(p.text for p in e.value.problems)
+    assert "grid.data.prompt_template: a value appears twice" in text
+    assert "arms.report.md: not usable as a directory name" in text
+
+
+def test_a_study_directory_has_one_writer(study_file, tmp_path):
+    from cory_lora.run.lock import RunLock
+
+    out = tmp_path / "study"
+    with RunLock(out, what="study").acquire(create=True):  # another study process, say
+        result = invoke("study", study_file(ARMS), "--output-dir", out)
+    assert result.exit_code == 1
+    assert f"study directory '{out}' is in use by process {os.getpid()}" in " ".join(
+        result.output.split()
+    )
+    assert not (out / "study.json").exists()

@@ -26,8 +26,8 @@ class RunLock:
     over); a process that opened it just before its removal notices and opens the new one.
     """
 
-    def __init__(self, directory: Path):
-        self.directory = Path(directory)
+    def __init__(self, directory: Path, what: str = "run"):
+        self.directory, self.what = Path(directory), what  # what the directory holds
         self.path = self.directory / LOCK_FILE
         self.remove_empty_directory = False  # set by RunDir.lock() for a directory it created
         self._created: list[Path] = []  # directories acquire() made, deepest first
@@ -100,9 +100,9 @@ class RunLock:
                 break
             time.sleep(0.025)
         return (
-            f"run directory {str(self.directory)!r} is in use by {owner}; one process at a time "
-            "may write a run: wait for it to finish, or stop it first (a stopped or killed run "
-            "can be resumed at once)"
+            f"{self.what} directory {str(self.directory)!r} is in use by {owner}; one process at "
+            f"a time may write a {self.what}: wait for it to finish, or stop it first (a stopped "
+            f"or killed {self.what} can be resumed at once)"
         )
 
     def release(self) -> None:

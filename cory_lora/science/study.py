@@ -47,6 +47,7 @@ from cory_lora.config.problems import schema_problems
 from cory_lora.errors import ConfigError, Problem, UserError
 from cory_lora.run.atomic import atomic_write_text
 from cory_lora.run.interrupts import STOP_SIGNALS, Terminated, child_environment
+from cory_lora.run.lock import RunLock
 from cory_lora.run.records import read_jsonl
 from cory_lora.services.distributed import check_batch_split
 
@@ -69,12 +70,18 @@ class Run:
     def relative_dir(self) -> Path:
         parts = [self.arm]
         if self.grid:
-            parts.append(",".join(f"{k}={toml_value(v)}" for k, v in self.grid.items()))
+            parts.append(",".join(point_name(k, v) for k, v in self.grid.items()))
         return Path(*parts, f"seed-{self.seed}")
 
     @property
     def id(self) -> str:
         return str(self.relative_dir)
+
+
+def point_name(key: str, value) -> str:
+    """`key=value` as one directory name: the value as TOML, with the characters a file name
+    cannot hold (/ and NUL: a chat template's [/INST]) written as %2F and %00."""
+    return f"{key}={toml_value(value)}".replace("%", "%25").replace("/", "%2F").replace("\0", "%00")
 
 
 @dataclass(frozen=True)
@@ -178,7 +185,7 @@ def load_study(
         spec = StudyFile.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(schema_problems(e, StudyFile, raw), "the study") from None
-    if problems := _naming_problems(spec.seeds, spec.arms):
+    if problems := _naming_problems(spec.seeds, spec.arms, spec.grid):
         raise ConfigError(problems, "the study")
     study = Study(
         path=path,
@@ -207,15 +214,24 @@ def _read_study_file(path: Path) -> dict:
         raise ConfigError([problem], "the study") from None
 
 
-def _naming_problems(seeds: list[int], arms: dict) -> list[Problem]:
-    """Seeds and arm names name run directories: a seed twice, or an arm name that is not a
-    usable directory name, would make two runs share one, or none."""
+RESERVED = {STATE_FILE, "logs", "report.md", "report.json", "frontier.png", "curves.png"}
+UNSAFE = '/\\:*?"<>|\0'  # arm names: path separators and what Windows or a shell trips on
+
+
+def _naming_problems(seeds: list[int], arms: dict, grid: dict) -> list[Problem]:
+    """Seeds, arm names and grid values name run directories: a seed or a value twice, or a
+    name that is not a plain directory name (a path, `..`, one of the study's own files), would
+    make two runs share a directory, or put one outside the study."""
     problems = []
     if len(set(seeds)) != len(seeds):
         problems.append(Problem(("seeds",), f"seeds = {seeds}: a seed appears twice"))
     for name in arms:
-        if not name or any(c in name for c in '/\\:*?"<>|') or name.startswith("."):
+        if not name or any(c in name for c in UNSAFE) or name.startswith(".") or name in RESERVED:
             problems.append(Problem(("arms",), f"arms.{name}: not usable as a directory name"))
+    for key, values in grid.items():
+        names = [point_name(key, v) for v in values]
+        if len(set(names)) != len(names):
+            problems.append(Problem(("grid",), f"grid.{key}: a value appears twice"))
     return problems
 
 
@@ -296,7 +312,12 @@ class StudyRunner:
         atomic_write_text(self.dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
 
     def run(self) -> dict[str, dict]:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Every run not done yet, one after another, while this process owns the study's
+        directory (a second study process on it is refused, naming this one)."""
+        with RunLock(self.dir, what="study").acquire(create=True):
+            return self._run_all()
+
+    def _run_all(self) -> dict[str, dict]:
         (self.dir / "logs").mkdir(exist_ok=True)
         for run in self.runs:
             self.records[run.id] = {
