@@ -168,7 +168,15 @@ def test_resume_refuses_a_different_run_and_reports_damage(recipe, reference, tm
     shutil.copytree(reference, out)
     refused = run("resume", out, "--set", "lora.r=8", "--set", "train.algorithm=ppo")
     assert refused.returncode == 1
-    assert "changed lora.r, train.algorithm" in " ".join(refused.stderr.split())
+    said = " ".join(refused.stderr.split())
+    assert 'changed lora.r (4 -> 8); train.algorithm ("cory" -> "ppo")' in said
+    # what a checkpoint holds (agents, value heads, EMAs) cannot change either: named, not
+    # called damage (nor an optimizer's ValueError)
+    for key, value in (("cory.agents", "3"), ("ppo.advantage", "rloo"), ("reset.every", "2")):
+        more = ["--set", "generation.samples_per_query=2"] if key == "ppo.advantage" else []
+        other = run("resume", out, "--set", f"{key}={value}", *more)
+        assert other.returncode == 1
+        assert f"the recipe changed {key} (" in " ".join(other.stderr.split()), other.stderr
     newest = sorted((out / "checkpoints").iterdir())[-1]
     damaged = newest / "llm1" / "adapter_model.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:-8] + b"\0" * 8)

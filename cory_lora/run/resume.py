@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cory_lora.algorithm.state import TrainerState
-from cory_lora.config import Recipe, load_recipe, to_dict
+from cory_lora.config import Recipe, load_recipe, to_dict, toml_value
 from cory_lora.engine.model import Agents
 from cory_lora.errors import UserError
 from cory_lora.run.checkpoint import completed, list_checkpoints, load_checkpoint
@@ -30,6 +30,15 @@ RESUME_REFUSED = (
     "reward.model",
     "train.algorithm",
     "train.seed",
+    # what a checkpoint holds: one state per agent, value heads (gae) or none, adapter EMAs
+    "cory.agents",
+    "ppo.advantage",
+    "reset.every",
+)
+ALLOWED = (
+    "a resume keeps the run's model, agents, LoRA shapes, data, reward, algorithm, seed, "
+    "advantage and Elastic Reset; it may change the other PPO, sampling and CORY settings, "
+    "train.iterations and logging"
 )
 # Changing these cannot change what is learned: allowed without a word.
 RESUME_FREE = (
@@ -63,6 +72,28 @@ def resume_differences(old: Recipe, new: Recipe) -> tuple[list[str], list[str]]:
     return refused, noted
 
 
+def _refuse_another_run(run_dir: RunDir, recipe: Recipe) -> list[str]:
+    """UserError naming each refused key with its old and new value (and what a resume allows);
+    else the allowed keys that changed, to be noted."""
+    saved = load_recipe(run_dir.path / "config.toml")
+    refused, noted = resume_differences(saved, recipe)
+    if refused:
+        old, new = to_dict(saved), to_dict(recipe)
+        changes = "; ".join(_change(k, old, new) for k in refused)
+        raise UserError(
+            f"cannot resume {run_dir.path}: the recipe changed {changes}. That would be a "
+            f"different run: undo those changes, or start a new run ({ALLOWED})"
+        )
+    return noted
+
+
+def _change(key: str, old: dict, new: dict) -> str:
+    if "." not in key:  # [[agents]] tables
+        return key
+    section, name = key.split(".", 1)
+    return f"{key} ({toml_value(old[section][name])} -> {toml_value(new[section][name])})"
+
+
 @dataclass(frozen=True)
 class ResumeCheck:
     """What a resume will find, checked before anything is loaded or written."""
@@ -78,12 +109,7 @@ def check_resume(run_dir: RunDir, recipe: Recipe) -> ResumeCheck:
     train.iterations (a resume cannot undo iterations, and training nothing while recording the
     lower count would falsify the record of what ran), or when the logs are damaged beyond what
     the checkpoint can mend."""
-    refused, _ = resume_differences(load_recipe(run_dir.path / "config.toml"), recipe)
-    if refused:
-        raise UserError(
-            f"cannot resume {run_dir.path} with a recipe that changed {', '.join(refused)}: "
-            "that would be a different run (start a new one, or undo those changes)"
-        )
+    _refuse_another_run(run_dir, recipe)
     iterations = recipe.train.iterations
     checkpoints = list_checkpoints(run_dir.path)
     if not checkpoints and (run_dir.path / "final").is_dir():
@@ -114,12 +140,7 @@ def restore(run_dir: RunDir, recipe: Recipe, agents: Agents, state: TrainerState
     checkpoints = list_checkpoints(run_dir.path)
     if not checkpoints:
         raise nothing_to_resume(run_dir.path, "it has no checkpoint")
-    refused, noted = resume_differences(load_recipe(run_dir.path / "config.toml"), recipe)
-    if refused:
-        raise UserError(
-            f"cannot resume {run_dir.path} with a recipe that changed {', '.join(refused)}: "
-            "that would be a different run (start a new one, or undo those changes)"
-        )
+    noted = _refuse_another_run(run_dir, recipe)
     if noted:
         say(f"resuming with changed settings: {', '.join(noted)}")
     run_dir.remove_partial_writes()
