@@ -581,3 +581,34 @@ def test_double_ctrl_c_before_the_first_checkpoint_does_not_promise_one(workspac
     text = " ".join(stderr.split())
     assert process.returncode == 130, stderr
     assert "nothing to resume" in text and "intact" not in text
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("sample", "1+1="),
+        ("eval", "--limit", "2"),
+        ("export", "-o", "exported"),
+        ("resume", "--set", "train.iterations=99"),
+    ],
+    ids=lambda c: c[0],
+)
+def test_a_run_directory_asking_to_run_remote_code_needs_the_users_own_flag(
+    run_copy, tmp_path, command
+):
+    """A run directory from elsewhere whose config.toml sets model.trust_remote_code: no command
+    loads its model (which would run the repository's code) without --trust-remote-code."""
+    config = run_copy / "config.toml"
+    config.write_text(
+        config.read_text().replace("trust_remote_code = false", "trust_remote_code = true")
+    )
+    name, *rest = command
+    rest = [str(tmp_path / a) if a == "exported" else a for a in rest]
+    result = invoke(name, run_copy, *rest)
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert "sets model.trust_remote_code = true" in text and "--trust-remote-code" in text
+    assert not (tmp_path / "exported").exists() and not (run_copy / "eval.json").exists()
+    if name == "sample":  # the user's own flag lets it load (a local model: no code to run)
+        trusted = invoke(name, run_copy, *rest, "--trust-remote-code")
+        assert trusted.exit_code == 0, trusted.output

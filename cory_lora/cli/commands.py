@@ -94,6 +94,31 @@ SetOpt = Annotated[
 ]
 
 
+TrustOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Let the model's own code from its repository run, when the run's config.toml asks "
+        "for it (model.trust_remote_code): a run directory from elsewhere must not run code "
+        "unasked.",
+    ),
+]
+
+
+def check_remote_code(run_dir: Path, trusted: bool) -> None:
+    """A run directory's config.toml may set model.trust_remote_code; loading its model would
+    then run code from the model's repository. Only the user's own flag allows that."""
+    path = Path(run_dir) / "config.toml"
+    if trusted or not path.is_file():
+        return
+    model = load_recipe(path).model
+    if model.trust_remote_code:
+        raise UserError(
+            f"{path} sets model.trust_remote_code = true: loading {model.name_or_path} would run "
+            "code from its repository. Pass --trust-remote-code if you trust it"
+        )
+
+
 @contextmanager
 def user_errors():
     """Turn a UserError into one red message and its exit code; Ctrl-C into exit code 130; a
@@ -243,15 +268,18 @@ def resume(
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
     rdzv_endpoint: EndpointOpt = "",
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Continue a run from its newest checkpoint, with the recipe it saved (plus --set)."""
     with user_errors():
         check_holds_a_run(run_dir)
+        check_remote_code(run_dir, trust_remote_code)
         config = load_recipe(run_dir / "config.toml", set_ or [])
         spec = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         if spec.wanted:
             spec.check(config.ppo.batch_size, config.model.device)
             flags = ["--quiet"] if quiet else []
+            flags += ["--trust-remote-code"] if trust_remote_code else []
             return launch(spec, ["resume", str(run_dir), *_sets(set_), *flags])
         _train(config, str(run_dir / "config.toml"), run_dir, False, quiet, True)
 
@@ -399,11 +427,13 @@ def eval_(
     limit: Annotated[int, typer.Option(help="Held-out prompts to use at most.")] = 200,
     k: Annotated[str, typer.Option(help="pass@k values, comma-separated.")] = "1",
     n: Annotated[int, typer.Option(help="Samples per prompt (default: the largest k).")] = 0,
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Evaluate a finished run: each agent alone, the pair, and the base model."""
     from rich.table import Table
 
     with user_errors():
+        check_remote_code(run_dir, trust_remote_code)
         try:
             ks = tuple(sorted({int(v) for v in k.split(",")}))
         except ValueError:
@@ -460,9 +490,11 @@ def sample(
         bool, typer.Option("--greedy", help="Greedy decoding instead of sampling.")
     ] = False,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Print an agent's answers to a prompt."""
     with user_errors():
+        check_remote_code(run_dir, trust_remote_code)
         if n < 1:
             raise UserError(f"--n {n}: draw at least one sample")
         if not 0 <= seed < 2**63:
@@ -608,9 +640,11 @@ def export(
     private: Annotated[
         bool, typer.Option("--private", help="Create the Hub repository private.")
     ] = False,
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Export one agent of a finished run: PEFT adapter or merged model, value head, card."""
     with user_errors():
+        check_remote_code(run_dir, trust_remote_code)
         if merge:
             quiet_libraries()
         from cory_lora.integrations.export import export_agent

@@ -346,7 +346,9 @@ class StudyRunner:
         out = self.dir / run.relative_dir
         state = run_state(out)
         if state == "resume":
-            command = cli_command("resume", out, "--quiet", processes=self.study.processes)
+            command = cli_command(
+                "resume", out, "--quiet", *_trusted(out), processes=self.study.processes
+            )
         else:  # never started, or died before its first checkpoint: start it again
             out.parent.mkdir(parents=True, exist_ok=True)
             command = cli_command(
@@ -403,13 +405,23 @@ class StudyRunner:
         out = self.dir / run.relative_dir
         if (out / "eval.json").is_file():
             return
-        command = cli_command("eval", out, "--limit", self.study.eval_limit)
+        command = cli_command("eval", out, "--limit", self.study.eval_limit, *_trusted(out))
         code = self._watch(command, run, out)
         if self.interrupt:
             raise self.interrupt
         if code != 0:
             self.records[run.id]["error"] = "eval: " + _last_error(self._log(run))
             self.write_state()
+
+
+def _trusted(run_dir: Path) -> list[str]:
+    """--trust-remote-code for a run of this study whose recipe (the user's own study) sets
+    model.trust_remote_code: the user asked for it when writing the study."""
+    try:
+        trusted = load_recipe(run_dir / "config.toml").model.trust_remote_code
+    except ConfigError:
+        return []  # the command itself reports the damaged config
+    return ["--trust-remote-code"] if trusted else []
 
 
 def _sets(overrides: tuple[str, ...]) -> list[str]:
