@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from .conftest import tiny_recipe_dict
@@ -187,3 +188,29 @@ def test_resume_refuses_a_different_run_and_reports_damage(recipe, reference, tm
     empty.mkdir()
     nothing = run("resume", empty)
     assert nothing.returncode == 1 and "nothing to resume" in nothing.stderr
+
+
+class NotPlainData:  # what a checkpoint from elsewhere might hold; unpickling it could run code
+    def __reduce__(self):
+        return (print, ("unpickled!",))
+
+
+def test_a_checkpoint_pickle_that_is_not_plain_data_is_refused_in_our_words(reference, tmp_path):
+    import hashlib
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    newest = sorted((out / "checkpoints").iterdir())[-1]
+    shutil.rmtree(out / "final")
+    planted = newest / "optimizer-llm1.pt"
+    torch.save({"state": NotPlainData()}, planted)
+    record = json.loads((newest / "state.json").read_text())  # checksums made to match
+    record["files"]["optimizer-llm1.pt"] = hashlib.sha256(planted.read_bytes()).hexdigest()
+    (newest / "state.json").write_text(json.dumps(record))
+    result = run("resume", out, "--quiet")
+    assert result.returncode == 1
+    said = " ".join(result.stderr.split())
+    assert "optimizer-llm1.pt holds objects other than plain data" in said
+    assert "weights_only" not in said and "Traceback" not in said
+    assert "unpickled!" not in result.stdout + result.stderr

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -156,18 +157,36 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> bool:
             f"and lora must stay as they were): {reason}"
         ) from None
     for name, agent in state.agents.items():
-        optimizer_state = torch.load(
-            path / f"optimizer-{name}.pt", weights_only=True, map_location="cpu"
-        )
-        agent.optimizer.load_state_dict(optimizer_state)
+        optimizer_state = _load_plain(path / f"optimizer-{name}.pt")
+        try:
+            agent.optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError) as e:
+            raise _corrupt(path, f"optimizer-{name}.pt", f"does not fit this agent ({e})") from None
         if agent.ema is not None:
             ema = path / f"ema-{name}.safetensors"
             if not ema.is_file():
                 raise _corrupt(path, ema.name, "missing (the run has reset.every set)")
             agent.ema.load_state_dict(load_file(str(ema)))
-    own_sampling = state.load_rng_tensors(torch.load(path / "rng.pt", weights_only=True))
+    own_sampling = state.load_rng_tensors(_load_plain(path / "rng.pt"))
     state.load_record(record)
     return own_sampling
+
+
+def _load_plain(file: Path):
+    """A torch.save file of plain data (tensors, numbers, strings, containers). Anything else is
+    refused in our words: unpickling arbitrary objects can run code, and torch's own advice
+    (weights_only=False) is the one thing not to do with a file from elsewhere."""
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"{file} holds objects other than plain data (tensors, numbers, strings), so it "
+            "was not written by cory-lora as it is; it is not unpickled (that could run code). "
+            "Delete its checkpoint directory to resume from the one before it"
+        ) from None
+    except (RuntimeError, EOFError) as e:
+        reason = str(e).splitlines()[0] if str(e) else "unreadable"
+        raise _corrupt(file.parent, file.name, reason) from None
 
 
 def _sha256(path: Path) -> str:
