@@ -5,6 +5,8 @@ run, whose base is dequantised); clear errors; nothing half-written."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import typing
 from pathlib import Path
 
@@ -258,6 +260,21 @@ def test_a_failed_merge_leaves_nothing_behind(runs, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="disk full"):
         export_agent(runs["fp32"], "llm1", tmp_path / "merged", merge=True)
     assert list(tmp_path.iterdir()) == []  # neither the output nor its temporary directory
+
+
+def test_a_killed_exports_leftover_is_removed_by_the_next_export(runs, tmp_path):
+    """SIGKILL runs no cleanup: the temporary directory (a whole model, for --merge) stays, named
+    with its dead process's id; the next export of the same output removes it."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a process id that no longer runs
+    leftover = tmp_path / f".adapter.{dead.pid}.abc123"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"\0" * 1024)
+    alive = tmp_path / f".adapter.{os.getpid()}.def456"  # a live process's: left alone
+    alive.mkdir()
+    export_agent(runs["fp32"], "llm1", tmp_path / "adapter")
+    assert not leftover.exists() and alive.exists()
+    assert (tmp_path / "adapter" / "README.md").is_file()
 
 
 class FakeHub:

@@ -8,6 +8,7 @@ behind (`RunDir.remove_partial_writes`).
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import tempfile
@@ -42,9 +43,12 @@ def atomic_write_text(path: Path, text: str) -> None:
 @contextmanager
 def atomic_directory(path: Path) -> Iterator[Path]:
     """Yield a temporary directory beside `path`; when the block succeeds every file in it is
-    fsynced and it replaces `path` (an existing one is removed first), else it is removed."""
+    fsynced and it replaces `path` (an existing one is removed first), else it is removed.
+    Its name holds this process's id, so one left by a killed process (SIGKILL runs no cleanup:
+    an `export --merge` leaves a whole model) is removed by the next write of the same path."""
     path = Path(path)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    remove_stale_directories(path)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}."))
     try:
         yield tmp
         fsync_tree(tmp)
@@ -55,6 +59,24 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_stale_directories(path: Path) -> None:
+    """Remove temporary directories for `path` whose process is gone."""
+    for leftover in Path(path).parent.glob(f".{glob.escape(Path(path).name)}.*.*"):
+        pid = leftover.name[len(Path(path).name) + 2 :].split(".")[0]
+        if leftover.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def fsync_tree(directory: Path) -> None:
