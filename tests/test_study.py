@@ -327,3 +327,22 @@ def test_a_study_directory_has_one_writer(study_file, tmp_path):
         result.output.split()
     )
     assert not (out / "study.json").exists()
+
+
+def test_a_rerun_that_would_change_runs_already_made_is_refused_naming_the_keys(
+    study_file, tmp_path
+):
+    one_arm = '[arms.ppo]\ntrain = { algorithm = "ppo" }\n'
+    path, out = study_file(one_arm, 'set = ["train.iterations=1"]'), tmp_path / "study"
+    first = invoke("study", path, "--output-dir", out)
+    assert first.exit_code == 0, first.output
+    changed = invoke("study", path, "--output-dir", out, "--set", "ppo.learning_rate=0.5")
+    assert changed.exit_code == 2
+    text = " ".join(changed.output.split())
+    assert "ppo/seed-0 was made with other values of ppo.learning_rate" in text
+    assert "ppo/seed-1 was made with other values of ppo.learning_rate" in text
+    # a study extended by a seed only adds runs: nothing made is changed
+    path.write_text(path.read_text().replace("seeds = [0, 1]", "seeds = [0, 1, 2]"))
+    extended = invoke("study", path, "--output-dir", out)
+    assert extended.exit_code == 0, extended.output
+    assert (out / "ppo" / "seed-2" / "metrics.jsonl").is_file()

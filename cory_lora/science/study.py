@@ -42,13 +42,14 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, field_validator
 
-from cory_lora.config import SECTIONS, load_recipe, toml_value
+from cory_lora.config import SECTIONS, Recipe, load_recipe, toml_value
 from cory_lora.config.problems import schema_problems
 from cory_lora.errors import ConfigError, Problem, UserError
 from cory_lora.run.atomic import atomic_write_text
 from cory_lora.run.interrupts import STOP_SIGNALS, Terminated, child_environment
 from cory_lora.run.lock import RunLock
 from cory_lora.run.records import read_jsonl
+from cory_lora.run.resume import resume_differences
 from cory_lora.services.distributed import check_batch_split
 
 STATE_FILE = "study.json"
@@ -65,6 +66,7 @@ class Run:
     seed: int
     overrides: tuple[str, ...]  # --set arguments that make this run's recipe from the base
     iterations: int
+    recipe: Recipe | None = field(default=None, compare=False, repr=False)  # once validated
 
     @property
     def relative_dir(self) -> Path:
@@ -251,13 +253,40 @@ def _checked_runs(study: Study) -> list[Run]:
         except UserError as e:
             problems.append(Problem(("processes", "ppo.batch_size"), f"{run.id}: {e}"))
             continue
-        runs.append(Run(run.arm, run.grid, run.seed, run.overrides, recipe_of_run.train.iterations))
+        iterations = recipe_of_run.train.iterations
+        runs.append(Run(run.arm, run.grid, run.seed, run.overrides, iterations, recipe_of_run))
     if problems:
         raise ConfigError(problems, "the study")
     return runs
 
 
 # --------------------------------------------------------------------------- running
+
+
+def changed_runs(study_dir: Path, runs: list[Run]) -> list[Problem]:
+    """Runs already in the study directory (finished or checkpointed) whose saved recipe differs
+    from what the study asks for now (the recipe, a --set or the study file changed): one
+    problem each, naming the keys. Keys that cannot change what is learned are not counted."""
+    problems = []
+    for run in runs:
+        config = study_dir / run.relative_dir / "config.toml"
+        if run.recipe is None or not config.is_file() or run_state(config.parent) == "fresh":
+            continue
+        try:
+            saved = load_recipe(config)
+        except ConfigError:
+            continue  # a damaged record: the run's own resume says so
+        refused, noted = resume_differences(saved, run.recipe)
+        if keys := refused + noted:
+            problems.append(
+                Problem(
+                    tuple(keys),
+                    f"{run.id} was made with other values of {', '.join(keys)} than the study "
+                    "asks for now; a run already made is not made again: undo the change "
+                    "(recipe, --set or study file), or use another --output-dir",
+                )
+            )
+    return problems
 
 
 def run_state(run_dir: Path) -> str:
@@ -315,6 +344,8 @@ class StudyRunner:
         """Every run not done yet, one after another, while this process owns the study's
         directory (a second study process on it is refused, naming this one)."""
         with RunLock(self.dir, what="study").acquire(create=True):
+            if problems := changed_runs(self.dir, self.runs):
+                raise ConfigError(problems, "the study directory")
             return self._run_all()
 
     def _run_all(self) -> dict[str, dict]:
