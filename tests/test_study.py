@@ -346,3 +346,29 @@ def test_a_rerun_that_would_change_runs_already_made_is_refused_naming_the_keys(
     extended = invoke("study", path, "--output-dir", out)
     assert extended.exit_code == 0, extended.output
     assert (out / "ppo" / "seed-2" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda p: p.write_text('{"window": 2, "runs": [{"dir": '), "not valid JSON"),
+        (lambda p: p.write_bytes(b'{"window": "\xff\xfe"}'), "not UTF-8 text"),
+        (lambda p: p.write_text("[1, 2]"), "expected a JSON object"),
+        (lambda p: p.write_text('{"window": 2}'), "is damaged: KeyError"),
+        (lambda p: p.write_text('{"window": 2, "runs": [3]}'), "is damaged: TypeError"),
+        (lambda p: p.mkdir(), "is a directory where a file should be"),
+    ],
+    ids=["truncated", "not-utf8", "not-an-object", "missing-key", "wrong-type", "directory"],
+)
+def test_a_damaged_study_json_is_one_message_naming_it(tmp_path, damage, said):
+    study_dir = tmp_path / "study"
+    study_dir.mkdir()
+    (study_dir / "study.json").touch()
+    if said.startswith("is a directory"):
+        (study_dir / "study.json").unlink()
+    damage(study_dir / "study.json")
+    result = invoke("report", study_dir)
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert "study.json" in text and said in text, text
+    assert "Traceback" not in result.output and "internal error" not in text

@@ -31,6 +31,7 @@ from cory_lora.engine.model import (
 )
 from cory_lora.errors import UserError, first_line
 from cory_lora.run.atomic import atomic_directory
+from cory_lora.run.records import read_json, read_jsonl
 from cory_lora.services import fetch
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
@@ -162,7 +163,7 @@ def _eval_table(run_dir: Path) -> str:
     path = run_dir / "eval.json"
     if not path.is_file():
         return "No evaluation yet (`cory-lora eval RUN_DIR` writes eval.json).\n"
-    result = json.loads(path.read_text(encoding="utf-8"))
+    result = read_json(path)
     ks = result.get("k", [])
     header = ["row", "accuracy", *[f"pass@{k}" for k in ks], "task reward", "KL"]
     header.append(f"task − {result.get('eta')}·KL")
@@ -186,7 +187,7 @@ def _training_summary(run_dir: Path, agent: str) -> str:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return ""
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    rows = read_jsonl(path)
     if not rows:
         return ""
 

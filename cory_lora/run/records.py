@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from cory_lora.errors import UserError, os_error_message
 from cory_lora.run.atomic import atomic_write_text
 
 LOGS = ("metrics.jsonl", "samples.jsonl")
@@ -19,15 +20,41 @@ LOG_SNAPSHOT = "logs"  # inside each checkpoint: the logs up to it
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Every complete JSON line of a file; a last line cut short by a crash is left out."""
+    """Every complete JSON object line of a file; a last line cut short by a crash, or any line
+    damaged since (bytes that are not UTF-8, not an object), is left out."""
     records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
+    for line in _text(path, errors="replace").splitlines():
+        try:
+            record = json.loads(line) if line.strip() else None
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object file (study.json, eval.json, state.json); any damage is one UserError naming
+    the file."""
+    text = _text(path, errors="strict")
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise UserError(f"{path} is damaged (not valid JSON: {e})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is damaged (expected a JSON object)")
+    return data
+
+
+def _text(path: Path, errors: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors=errors)
+    except IsADirectoryError:
+        raise UserError(f"{path} is a directory where a file should be") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is damaged (not UTF-8 text)") from None
+    except OSError as e:
+        raise UserError(os_error_message(e, f"cannot read {path}")) from None
 
 
 def append_jsonl(path: Path, records: list[dict]) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from cory_lora.config import toml_value
 from cory_lora.errors import UserError
 from cory_lora.run.atomic import atomic_file, atomic_write_text
-from cory_lora.run.records import read_jsonl
+from cory_lora.run.records import read_json, read_jsonl
 from cory_lora.science.plots import agent_names
 from cory_lora.science.study import STATE_FILE
 
@@ -81,9 +81,19 @@ def build_report(study_dir: Path) -> dict:
     """Every number of the report, from the study's run directories."""
     study_dir = Path(study_dir)
     state_path = study_dir / STATE_FILE
-    if not state_path.is_file():
+    if not state_path.exists():
         raise UserError(f"{study_dir}: not a study directory (no {STATE_FILE})")
-    state = json.loads(state_path.read_text())
+    state = read_json(state_path)
+    try:
+        return _report_of(study_dir, state)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(
+            f"{state_path} (or a run's eval.json) is damaged: {type(e).__name__} {e}; "
+            "`cory-lora study` with the same study file rewrites study.json"
+        ) from None
+
+
+def _report_of(study_dir: Path, state: dict) -> dict:
     window = state["window"]
     groups: dict[str, dict] = {}
     failed = []
@@ -105,7 +115,7 @@ def build_report(study_dir: Path) -> dict:
         group["runs"].append(record["id"])
         group["train"].append(run_final(metrics, window) | {"seed": record["seed"]})
         if (run_dir / "eval.json").is_file():
-            evaluation = json.loads((run_dir / "eval.json").read_text())
+            evaluation = read_json(run_dir / "eval.json")
             group["heldout"].append(run_heldout(evaluation) | {"seed": record["seed"]})
     points = []
     for label, group in groups.items():
