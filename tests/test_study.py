@@ -266,6 +266,11 @@ def test_shipped_studies_validate(name):
     )
 
 
+def _running(marker: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    return found.stdout.split()
+
+
 @pytest.mark.parametrize("kill", ["SIGTERM", "SIGKILL"])
 def test_a_signal_to_the_study_reaches_its_run(study_file, tmp_path, kill):
     """SIGTERM to the study alone (a scheduler's stop): passed on to the run in progress, which
@@ -281,9 +286,11 @@ def test_a_signal_to_the_study_reaches_its_run(study_file, tmp_path, kill):
     assert process.poll() is None, "the study ended before the signal"
     process.send_signal(getattr(signal, kill))
     _, stderr = process.communicate(timeout=300)
-    time.sleep(2)  # the kernel's SIGTERM to an orphan, then its checkpoint
-    running = subprocess.run(["pgrep", "-f", str(first)], capture_output=True, text=True)
-    assert not running.stdout.split(), "the run outlived the study"
+    # the kernel's SIGTERM reaches the orphan, which finishes its iteration and checkpoints
+    deadline = time.time() + 120
+    while time.time() < deadline and _running(str(first)):
+        time.sleep(0.2)
+    assert not _running(str(first)), "the run outlived the study"
     if kill == "SIGKILL":
         return
     assert process.returncode == 143, stderr.decode()[-2000:]
