@@ -42,7 +42,7 @@ from cory_lora.errors import (
     UserError,
     os_error_message,
 )
-from cory_lora.run.interrupts import STOP_SIGNALS, Interrupted, exit_code, stop_like_ctrl_c
+from cory_lora.run.interrupts import STOP_EXIT_CODES, Interrupted, exit_code, stop_like_ctrl_c
 from cory_lora.run.rundir import check_holds_a_run
 
 app = typer.Typer(
@@ -77,7 +77,6 @@ def _options(
     checkpoint when training)."""
 
 
-STOP_CODES = {128 + int(s) for s in STOP_SIGNALS}  # exit codes of a stop by signal
 console = make_console()
 error_console = make_console(stderr=True)
 
@@ -131,7 +130,7 @@ def user_errors():
     except UserError as e:
         if console.quiet:  # a torchrun rank other than 0: rank 0 says it
             raise typer.Exit(e.exit_code) from None
-        if e.exit_code not in STOP_CODES:
+        if e.exit_code not in STOP_EXIT_CODES:
             _error(f"[bold red]error:[/] {escape(str(e))}", e.exit_code)
         text = str(e) if str(e).startswith("stopped") else f"stopped: {e}"
         _error(f"[bold yellow]{escape(text)}[/]", e.exit_code)

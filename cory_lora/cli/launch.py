@@ -29,7 +29,7 @@ from typing import Annotated
 import typer
 
 from cory_lora.errors import PEER_LOST_EXIT, UserError
-from cory_lora.run.interrupts import PARENT_PID, Terminated
+from cory_lora.run.interrupts import PARENT_PID, STOP_EXIT_CODES, Terminated, stopped_by_signal
 from cory_lora.services.distributed import check_batch_split
 
 NprocOpt = Annotated[
@@ -161,22 +161,25 @@ def _share_cores(nproc: int) -> None:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
 
 
-HANDLED = (1, 2, 129, 130, 143)  # exit codes after which a rank has said why itself
-# How a rank ends when it only followed another's end: stopped by a signal (the launcher stops
-# every rank once one fails), or its collectives lost the rank that failed.
-FOLLOWED = (129, 130, 143, -signal.SIGHUP, -signal.SIGINT, -signal.SIGTERM, PEER_LOST_EXIT)
+HANDLED = (1, 2, *STOP_EXIT_CODES)  # exit codes after which a rank has said why itself
+
+
+def _followed(code: int) -> bool:
+    """How a rank ends when it only followed another's end: stopped by a signal (the launcher
+    stops every rank once one fails), or its collectives lost the rank that failed."""
+    return stopped_by_signal(code) or code == PEER_LOST_EXIT
 
 
 def _failed(error, logs: Path) -> tuple[int, bool]:
     """The command's exit code when ranks failed: the first failing rank's, preferring one that
     failed on its own over one the launcher then stopped. One line names it and its log, unless
     it is rank 0 and said why on this terminal already. Returns (exit code, logs named)."""
-    rank, failure = min(error.failures.items(), key=lambda f: (f[1].exitcode in FOLLOWED, f[0]))
+    rank, failure = min(error.failures.items(), key=lambda f: (_followed(f[1].exitcode), f[0]))
     code = failure.exitcode
     if code < 0:  # killed by a signal it did not handle
         what, code = f"was killed by {signal.Signals(-code).name}", 128 - code
     else:
-        what = "stopped" if code in FOLLOWED else f"failed (exit code {code})"
+        what = "stopped" if _followed(code) else f"failed (exit code {code})"
     if rank == 0 and code in HANDLED:
         return code, False
     found = sorted(p for p in logs.rglob(str(failure.local_rank)) if p.is_dir())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import string
 
-from cory_lora.config.problems import show
+from cory_lora.config.problems import field_doc, show
 from cory_lora.config.sections import REQUIRED, SECTIONS, Recipe
 from cory_lora.errors import Problem
 from cory_lora.services.fetch import is_fetched_name, unknown_name_problem
@@ -41,7 +41,7 @@ def required(r: Recipe) -> list[Problem]:
     for dotted in REQUIRED:
         section, key = dotted.split(".")
         if not getattr(getattr(r, section), key):
-            doc = SECTIONS[section].doc(key)
+            doc = field_doc(SECTIONS[section], key)
             out.append(problem(dotted, f"{dotted}: required ({doc})"))
     return out
 

@@ -4,6 +4,7 @@ generated from the schema (a test keeps the file equal to this output)."""
 from __future__ import annotations
 
 from cory_lora.config.load import toml_value
+from cory_lora.config.problems import field_doc
 from cory_lora.config.sections import PER_AGENT, REQUIRED, SECTIONS
 
 
@@ -15,7 +16,7 @@ def describe_keys() -> str:
         for key, info in cls.model_fields.items():
             default = info.get_default(call_default_factory=True)
             shown = "(required)" if f"{section}.{key}" in REQUIRED else f"`{toml_value(default)}`"
-            out.append(f"| `{key}` | {shown} | {cls.doc(key)} |")
+            out.append(f"| `{key}` | {shown} | {field_doc(cls, key)} |")
         out.append("")
     settable = ", ".join(f"`{s}.{k}`" for s, keys in PER_AGENT.items() for k in keys)
     out += [

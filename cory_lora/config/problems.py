@@ -41,6 +41,11 @@ def show(value) -> str:
     return str(value)
 
 
+def field_doc(model: type[BaseModel], key: str) -> str:
+    """A field's description (its attribute docstring) on one line."""
+    return " ".join((model.model_fields[key].description or "").split())
+
+
 def schema_problems(
     error: ValidationError, cls: type[BaseModel], table: dict, prefix: str = ""
 ) -> list[Problem]:
@@ -56,7 +61,7 @@ def schema_problems(
             out.append(Problem((dotted,), f"{dotted}: unknown key{hint}"))
             continue
         if e["type"] == "missing":
-            doc = " ".join((cls.model_fields[key].description or "").split())
+            doc = field_doc(cls, key)
             out.append(
                 Problem((dotted,), f"{dotted}: required ({doc})" if doc else f"{dotted}: required")
             )

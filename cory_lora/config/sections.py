@@ -25,11 +25,6 @@ class Section(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
-    @classmethod
-    def doc(cls, key: str) -> str:
-        """The field's description on one line."""
-        return " ".join((cls.model_fields[key].description or "").split())
-
 
 class ModelConfig(Section):
     name_or_path: Str = ""

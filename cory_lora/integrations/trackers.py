@@ -34,6 +34,7 @@ from typing import Protocol
 from cory_lora.config import Recipe, recipe_toml, to_dict
 from cory_lora.errors import UserError, first_line
 from cory_lora.run.atomic import atomic_write_text
+from cory_lora.run.records import read_json
 
 STATE_FILE = "trackers.json"
 # What each tracker imports (only when named), and so what must be installed.
@@ -138,7 +139,7 @@ def open_trackers(recipe: Recipe, run_dir: Path, resume: bool = False, done: int
     already in the run (the checkpoint's), whose later steps a resumed TensorBoard log drops."""
     run_dir = Path(run_dir)
     state_path = run_dir / STATE_FILE
-    state = json.loads(state_path.read_text()) if resume and state_path.is_file() else {}
+    state = read_json(state_path) if resume and state_path.is_file() else {}
     openers = {
         "tensorboard": TensorBoardSink,
         "wandb": WandbSink,

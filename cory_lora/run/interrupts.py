@@ -24,6 +24,15 @@ from cory_lora.errors import UserError
 from cory_lora.run.checkpoint import stopped_message
 
 STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+STOP_EXIT_CODES = frozenset(128 + int(s) for s in STOP_SIGNALS)  # 130, 143, 129: handled
+
+
+def stopped_by_signal(code: int) -> bool:
+    """Whether a process's exit code says a stop signal ended it: handled (128 + the signal)
+    or not (a Popen return code of minus the signal)."""
+    return code in STOP_EXIT_CODES or -code in STOP_SIGNALS
+
+
 PARENT_PID = "CORY_LORA_PARENT_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

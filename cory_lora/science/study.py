@@ -46,15 +46,13 @@ from cory_lora.config import SECTIONS, Recipe, load_recipe, toml_value
 from cory_lora.config.problems import schema_problems
 from cory_lora.errors import ConfigError, Problem, UserError
 from cory_lora.run.atomic import atomic_write_text
-from cory_lora.run.interrupts import STOP_SIGNALS, Terminated, child_environment
+from cory_lora.run.interrupts import Terminated, child_environment, stopped_by_signal
 from cory_lora.run.lock import RunLock
 from cory_lora.run.records import read_jsonl
 from cory_lora.run.resume import resume_differences
 from cory_lora.services.distributed import check_batch_split
 
 STATE_FILE = "study.json"
-# A run's exit codes when a signal stopped it: 128 + the signal (handled), or minus it (not).
-STOPPED_CODES = {sign * (base + int(s)) for s in STOP_SIGNALS for sign, base in ((1, 128), (-1, 0))}
 
 
 @dataclass(frozen=True)
@@ -398,7 +396,7 @@ class StudyRunner:
         record = self.records[run.id]
         if code == 0 and run_state(out) == "done":
             record.update(status="done", error=None)
-        elif self.interrupt or code in STOPPED_CODES:
+        elif self.interrupt or stopped_by_signal(code):
             record.update(status="interrupted")
             self.write_state()
             raise self.interrupt or Terminated(abs(code) % 128)
