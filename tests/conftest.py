@@ -75,3 +75,24 @@ def tiny_recipe(tiny_model_dir, arith_file):
         return recipe_from_dict(tiny_recipe_dict(tiny_model_dir, arith_file, **sections))
 
     return make
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_model_dir, arith_file):
+    """A 2-iteration CORY run (a checkpoint per iteration), copied for each test that uses it."""
+    from .helpers import invoke, write_recipe
+
+    root = tmp_path_factory.mktemp("finished")
+    raw = tiny_recipe_dict(tiny_model_dir, arith_file, train={"checkpoint_every": 1})
+    recipe = write_recipe(root / "recipe.toml", raw)
+    result = invoke("run", recipe, "--output-dir", root / "run", "--quiet")
+    assert result.exit_code == 0, result.output
+    return root / "run"
+
+
+@pytest.fixture
+def run_copy(finished, tmp_path):
+    """A copy of the `finished` run, for a test to damage."""
+    import shutil
+
+    return Path(shutil.copytree(finished, tmp_path / "run"))

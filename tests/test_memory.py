@@ -4,6 +4,8 @@ measures the peaks)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from cory_lora.algorithm.cory import play_episode, roles_at
@@ -13,7 +15,7 @@ from cory_lora.engine.data import load_prompts
 from cory_lora.engine.model import load_agents
 from cory_lora.rewards import load_reward
 
-from .helpers import adapter_state
+from .helpers import adapter_state, parameter_bytes
 
 
 def net_allocated(fn, *args) -> tuple[object, int]:
@@ -58,3 +60,50 @@ def test_an_agents_step_leaves_only_its_optimizer_moments(tiny_recipe):
     # the second agent's first step costs the same; later steps leave nothing.
     assert left[0, "llm1"] == left[0, "llm2"] == moments["llm1"]
     assert left[1, "llm1"] == left[1, "llm2"] == 0
+
+
+def peak_above_start(fn, *args) -> tuple[object, int]:
+    """fn(*args)'s result and the highest bytes it held above what was allocated at its start:
+    the running sum of the profiler's allocation and free records, in time order."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        result = fn(*args)
+    records = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type().name == "CPU"
+    )
+    running = list(itertools.accumulate(n for _, n in records))
+    return result, max(running, default=0)
+
+
+def test_by_default_the_observers_step_peaks_no_higher_than_the_pioneers(tiny_recipe):
+    """The observer's sequences hold the pioneer's answer, so they are wider: at default settings
+    (ppo.micro_batch_tokens = "auto") its micro-batches hold fewer rows and its step's peak stays
+    within 5% of the pioneer's; uncapped (0) it is well above."""
+    peaks = {}
+    for cap in ("auto", 0):
+        recipe = tiny_recipe(
+            ppo={"micro_batch_tokens": cap, "batch_size": 8, "minibatch_size": 8},
+            generation={"max_new_tokens": 12, "min_new_tokens": 12},
+        )
+        agents = load_agents(recipe)
+        prompts = load_prompts(recipe.data)
+        state = TrainerState.fresh(recipe, agents, len(prompts))
+        roles = roles_at(0, recipe.cory.swap_every, agents.names)
+        reward, stopping = load_reward(recipe.reward.function), agents.stopping(())
+        batch = prompts.take(list(range(recipe.ppo.batch_size)))
+        episode = play_episode(agents, roles, batch, recipe, reward, stopping, state.sampling_rng)
+        ramp = torch.linspace(-1, 1, recipe.ppo.batch_size)
+        for name in (roles.pioneer, roles.observer):
+            args = (agents, name, state.agents[name], episode.generation_of(name), ramp, None)
+            _, peaks[cap, name] = peak_above_start(
+                train_agent, *args, recipe, state.minibatch_rng, episode.pioneer_width
+            )
+        observer_width = episode.observer_generation.prompt_ids.shape[1]
+        assert observer_width > 1.5 * episode.pioneer_width - 12  # the observer's are wider
+    # Live memory at the step's peak: the weights and adapters, plus what the step holds.
+    live = {key: held + parameter_bytes(agents) for key, held in peaks.items()}
+    pioneer, observer = roles.pioneer, roles.observer
+    assert live["auto", observer] <= 1.05 * live["auto", pioneer], live
+    assert live[0, observer] > 1.2 * live[0, pioneer], live

@@ -264,6 +264,12 @@ def test_micro_batch_tokens_cuts_long_sequences_into_fewer_rows_and_changes_no_u
     assert rows(248, 31) == 8  # the pioneer's width: the cap is not reached
     assert rows(248, 62) == 4  # twice as wide (the observer's): half the rows
     assert rows(10, 62) == 1  # never fewer than one row
+    auto = PPOConfig(micro_batch_size=8)  # the default: the pioneer's micro-batch is the cap
+    assert auto.micro_batch_tokens == "auto" and auto.micro_batch_rows(62) == 8
+    assert auto.with_token_cap(31).micro_batch_tokens == 248
+    assert auto.with_token_cap(31).micro_batch_rows(31) == 8
+    assert auto.with_token_cap(31).micro_batch_rows(62) == 4
+    assert PPOConfig(micro_batch_tokens=0).with_token_cap(31).micro_batch_rows(62) == 8
     after = {}
     for tokens in (0, 1):  # 1: one row per micro-batch, 2 x the micro-batches of the recipe's
         recipe = tiny_recipe(ppo={"micro_batch_tokens": tokens})

@@ -355,17 +355,27 @@ def test_a_rerun_that_would_change_runs_already_made_is_refused_naming_the_keys(
     assert (out / "ppo" / "seed-2" / "metrics.jsonl").is_file()
 
 
+OUTSIDE = {"id": "a", "arm": "a", "grid": {}, "seed": 0, "dir": "../../etc", "status": "done"}
+
+
 @pytest.mark.parametrize(
     "damage, said",
     [
         (lambda p: p.write_text('{"window": 2, "runs": [{"dir": '), "not valid JSON"),
         (lambda p: p.write_bytes(b'{"window": "\xff\xfe"}'), "not UTF-8 text"),
         (lambda p: p.write_text("[1, 2]"), "expected a JSON object"),
-        (lambda p: p.write_text('{"window": 2}'), "is damaged: KeyError"),
-        (lambda p: p.write_text('{"window": 2, "runs": [3]}'), "is damaged: TypeError"),
+        (lambda p: p.write_text('{"window": 2}'), "is damaged (etas: missing)"),
+        (
+            lambda p: p.write_text('{"window": 2, "etas": [], "runs": [3]}'),
+            "is damaged (runs.0: Input should be a valid dictionary",
+        ),
+        (
+            lambda p: p.write_text(json.dumps({"window": 2, "etas": [], "runs": [OUTSIDE]})),
+            "is damaged (runs.0.dir: Value error, must be a path inside the study directory)",
+        ),
         (lambda p: p.mkdir(), "is a directory where a file should be"),
     ],
-    ids=["truncated", "not-utf8", "not-an-object", "missing-key", "wrong-type", "directory"],
+    ids=["truncated", "not-utf8", "not-an-object", "missing-key", "wrong-type", "outside", "dir"],
 )
 def test_a_damaged_study_json_is_one_message_naming_it(tmp_path, damage, said):
     study_dir = tmp_path / "study"

@@ -322,24 +322,6 @@ def test_message_text_is_never_read_as_markup(workspace):
 # ----------------------------------------------------------------------------- a finished run
 
 
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory, tiny_model_dir, arith_file):
-    """A 2-iteration CORY run (a checkpoint per iteration), copied for each test that uses it."""
-    root = tmp_path_factory.mktemp("finished")
-    raw = tiny_recipe_dict(tiny_model_dir, arith_file, train={"checkpoint_every": 1})
-    recipe = write_recipe(root / "recipe.toml", raw)
-    result = invoke("run", recipe, "--output-dir", root / "run", "--quiet")
-    assert result.exit_code == 0, result.output
-    return root / "run"
-
-
-@pytest.fixture
-def run_copy(finished, tmp_path):
-    import shutil
-
-    return Path(shutil.copytree(finished, tmp_path / "run"))
-
-
 def test_eval_refuses_when_nothing_is_held_out(run_copy):
     result = invoke("eval", run_copy, "--limit", "2")
     assert result.exit_code == 1

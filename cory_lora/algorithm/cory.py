@@ -117,6 +117,12 @@ class Episode:
         return self.generations[0]
 
     @property
+    def pioneer_width(self) -> int:
+        """Prompt + response width of the pioneer's sequences: its micro-batches set the memory
+        peak that ppo.micro_batch_tokens = "auto" holds the others to."""
+        return self.generations[0].prompt_ids.shape[1] + self.generations[0].response_ids.shape[1]
+
+    @property
     def pioneer_rewards(self) -> torch.Tensor:
         return self.rewards[0]
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
 from cory_lora.algorithm import ppo
 from cory_lora.algorithm.elastic import AdapterEMA
@@ -22,6 +24,59 @@ from cory_lora.engine.model import Agents
 from cory_lora.services import distributed
 
 FORMAT = 1  # of the checkpoint record; bump when its meaning changes
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _KLRecord(_Record):
+    value: float
+
+
+class _MomentsRecord(_Record):
+    mean: float
+    var: float
+    count: float
+
+
+class _AgentRecord(_Record):
+    kl_ctl: _KLRecord
+    score_moments: _MomentsRecord | None
+    bad_streak: NonNegativeInt
+    skipped: NonNegativeInt
+
+
+class _OrderRecord(_Record):
+    epoch: NonNegativeInt
+    position: NonNegativeInt
+
+
+class StateRecord(_Record):
+    """The shape of a checkpoint's state.json, checked before any of it is used: a file damaged
+    or edited into other types is refused with the key, not half-applied."""
+
+    format: Literal[FORMAT]
+    iteration: NonNegativeInt
+    order: _OrderRecord
+    agents: dict[str, _AgentRecord]
+    # JSON has no tuples: these arrays are checked for length and item types, not Python type
+    python_random: tuple[int, list[int], float | None] = Field(strict=False)
+    numpy_random: tuple[str, list[int], int, int, float] = Field(strict=False)
+    files: dict[str, str] = {}  # each other file's SHA-256 (added by the checkpoint writer)
+
+
+def record_problem(record) -> str | None:
+    """What is wrong with a state.json's content (its first problem, by key), or None."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    try:
+        StateRecord.model_validate(record)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "the file"
+        return f"{where}: {error['msg']}"
+    return None
 
 
 @dataclass
@@ -110,9 +165,19 @@ class TrainerState:
             "numpy_random": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
         }
 
-    def fits(self, record: dict) -> bool:
-        """Whether a record was written by this format for these agents."""
-        return record.get("format") == FORMAT and set(record.get("agents", ())) == set(self.agents)
+    def misfit(self, record) -> str | None:
+        """Why a checkpoint record cannot be loaded into this state (damaged, another format,
+        other agents, a data position past the prompts), or None."""
+        if isinstance(record, dict) and record.get("format") not in (None, FORMAT):
+            return f"written by another version (format {record.get('format')!r})"
+        problem = record_problem(record)
+        if problem is not None:
+            return problem
+        if set(record["agents"]) != set(self.agents):
+            return f"written for agents {', '.join(sorted(record['agents']))}"
+        if record["order"]["position"] > self.order.n:
+            return f"order.position {record['order']['position']} is past the prompts"
+        return None
 
     def load_record(self, record: dict) -> None:
         for name, agent in self.agents.items():

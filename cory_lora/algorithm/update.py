@@ -105,6 +105,7 @@ def train_agent(
     reward_problem: str | None,
     recipe: Recipe,
     generator: torch.Generator,
+    pioneer_width: int | None = None,
 ) -> UpdateStats | Skipped:
     """Agent `name`'s whole step: score its episodes into a rollout, update it with PPO, then
     move its KL coefficient with the rollout's KL (beta changes after the iteration that used
@@ -113,9 +114,13 @@ def train_agent(
     adapter's EMA follows each update.
 
     generation: the agent's episodes; scores [B]: its score per episode (collective reward);
-    reward_problem: why the scores cannot be learned from (Episode.reward_problem), or None.
+    reward_problem: why the scores cannot be learned from (Episode.reward_problem), or None;
+    pioneer_width: the width (prompt + response) of this iteration's pioneer sequences, which
+    sets ppo.micro_batch_tokens = "auto" (default: this agent's own).
     """
-    cfg, temperature = recipe.ppo, recipe.generation.scoring_temperature
+    width = generation.prompt_ids.shape[1] + generation.response_ids.shape[1]
+    cfg = recipe.ppo.with_token_cap(pioneer_width or width)
+    temperature = recipe.generation.scoring_temperature
     group_size = recipe.generation.samples_per_query
     outcome = _update_or_skip(
         agents,

@@ -45,7 +45,39 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recip
         raise ConfigError(
             [Problem((), f"recipe {str(path)!r} cannot be read: {e.strerror}")]
         ) from None
-    return recipe_from_dict(raw, overrides)
+    recipe = recipe_from_dict(raw, overrides)
+    if problems := paths_run_from_elsewhere(recipe, path):
+        raise ConfigError(problems)
+    return recipe
+
+
+def paths_run_from_elsewhere(recipe: Recipe, recipe_path: Path) -> list[Problem]:
+    """A relative model or data path is read from the current directory. One that is not there
+    but is found beside the recipe or a few folders above it (a project root, a run directory's
+    project) means the command was started elsewhere: say so now, rather than after a minute of
+    asking the hub for a model named like the path."""
+    problems = []
+    for key, value in (
+        ("model.name_or_path", recipe.model.name_or_path),
+        ("data.dataset", recipe.data.dataset),
+    ):
+        local = "/" in value or Path(value).suffix in (".json", ".jsonl", ".csv", ".parquet")
+        if not local or Path(value).is_absolute() or value.startswith("~") or Path(value).exists():
+            continue  # a bare word is a hub id as often as a folder
+        here = Path(recipe_path).resolve().parent
+        for folder in (here, *list(here.parents)[:3]):
+            if (folder / value).exists():
+                problems.append(
+                    Problem(
+                        (key,),
+                        f"{key} = {value!r} is not in the current directory ({Path.cwd()}), "
+                        f"but {folder / value} exists: relative paths in a recipe are read "
+                        f"from where the command runs. Run it from {folder}, or write the "
+                        "full path",
+                    )
+                )
+                break
+    return problems
 
 
 def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:

@@ -11,12 +11,22 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict
+from pydantic import AllowInfNan, BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict(), AllowInfNan(False)]  # strict still takes an int: 1 -> 1.0
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
+
+
+def _token_cap(value):
+    """A number of tokens >= 0, or "auto" (one message for both, not one per kind)."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError('expected a number of tokens (0 or more) or "auto"')
+
+
+TokenCap = Annotated[int | Literal["auto"], BeforeValidator(_token_cap)]
 
 
 class Section(BaseModel):
@@ -166,12 +176,13 @@ class PPOConfig(Section):
     micro_batch_size: Int = Field(8, gt=0)
     """Episodes per forward/backward pass (gradient accumulation up to minibatch_size); also the
     scoring batch. Must divide minibatch_size."""
-    micro_batch_tokens: Int = Field(0, ge=0)
+    micro_batch_tokens: TokenCap = "auto"
     """Cap on the tokens (rows x prompt-plus-response width) of a scoring or update micro-batch: a
     batch of longer sequences (the observer's, which hold the pioneer's answer) is cut into
     fewer rows each, so its activations peak no higher than the pioneer's; at least 1 row, at
-    most micro_batch_size. Gradient accumulation makes the update the same. 0: micro_batch_size
-    rows always."""
+    most micro_batch_size. Gradient accumulation makes the update the same. `auto`: each
+    iteration, micro_batch_size x the width of the pioneer's sequences (single-agent PPO: never
+    binds); 0: micro_batch_size rows always."""
     epochs: Int = Field(4, gt=0)
     """PPO epochs over each batch."""
     gamma: Float = Field(1.0, ge=0, le=1)
@@ -222,10 +233,18 @@ class PPOConfig(Section):
 
     def micro_batch_rows(self, width: int) -> int:
         """Rows per micro-batch of sequences `width` tokens wide: micro_batch_size, or fewer when
-        micro_batch_tokens caps the tokens (never fewer than 1)."""
-        if not self.micro_batch_tokens:
+        micro_batch_tokens caps the tokens (never fewer than 1). `auto` is made a number by the
+        trainer (`with_token_cap`); unresolved it caps nothing."""
+        if self.micro_batch_tokens in (0, "auto"):
             return self.micro_batch_size
         return max(1, min(self.micro_batch_size, self.micro_batch_tokens // width))
+
+    def with_token_cap(self, pioneer_width: int) -> PPOConfig:
+        """These settings with micro_batch_tokens = `auto` made a number: the tokens of a
+        micro-batch of the pioneer's sequences (`pioneer_width` wide), the peak it sets."""
+        if self.micro_batch_tokens != "auto":
+            return self
+        return self.model_copy(update={"micro_batch_tokens": self.micro_batch_size * pioneer_width})
 
 
 class CoryConfig(Section):

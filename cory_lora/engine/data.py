@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from cory_lora.config import DataConfig, template_fields
+from cory_lora.engine.datafile import check_data_file, split_files
 from cory_lora.errors import UserError
 
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -217,6 +218,8 @@ def _load_split(cfg: DataConfig, split: str):
     import datasets
 
     datasets.disable_progress_bars()
+    # datasets logs its own version of a file's damage before raising; ours is the one message
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     path = Path(cfg.dataset)
     key = f"data.dataset = {cfg.dataset!r}"
     loaded = None
@@ -227,6 +230,7 @@ def _load_split(cfg: DataConfig, split: str):
             builder = LOCAL_BUILDERS.get(path.suffix)
             if builder is None:
                 raise UserError(f"{key}: unsupported file type (use {', '.join(LOCAL_BUILDERS)})")
+            check_data_file(path, key)
             # A single file is one split, whatever its name: it is the split asked for.
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         if not path.exists() and (
@@ -234,7 +238,11 @@ def _load_split(cfg: DataConfig, split: str):
         ):
             relative = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
             raise UserError(f"{key}: no such file or directory{relative}")
+        if path.is_dir() and path.suffix in LOCAL_BUILDERS:
+            check_data_file(path, key)  # a directory named like a data file: say so
         if path.is_dir():
+            for file in split_files(path, split):
+                check_data_file(file, key)
             if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
                 loaded = datasets.load_from_disk(str(path))
                 return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
@@ -251,6 +259,8 @@ def _load_split(cfg: DataConfig, split: str):
         if type(e).__name__ == "DatasetGenerationError" and e.__cause__ is not None:
             e = e.__cause__  # what was wrong with the file
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "corresponds to no data" in reason:
+            raise UserError(f"{key}: split {split!r} has no rows") from None
         known = re.search(r"Unknown split \"[^\"]*\"\. Should be one of \[(.*)\]", reason)
         if known:
             names = known.group(1).replace("'", "")

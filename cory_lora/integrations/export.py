@@ -31,7 +31,7 @@ from cory_lora.engine.model import (
 )
 from cory_lora.errors import UserError, first_line
 from cory_lora.run.atomic import atomic_directory
-from cory_lora.run.records import read_json, read_jsonl
+from cory_lora.run.records import read_json, read_metrics
 from cory_lora.services import fetch
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
@@ -54,6 +54,7 @@ def export_agent(
     missing = [name for name in expected if not (adapter / name).is_file()]
     if missing:
         raise UserError(f"{adapter} is incomplete (missing {', '.join(missing)})")
+    _check_adapter(run_dir, adapter)
     if out.exists():
         raise UserError(
             f"output directory {str(out)!r} already exists; choose another -o (export never "
@@ -73,6 +74,31 @@ def export_agent(
         (tmp / "README.md").write_text(card, encoding="utf-8")
         _shareable(tmp)
     return out
+
+
+def _check_adapter(run_dir: Path, adapter: Path) -> None:
+    """Refuse to export an adapter whose files would not load: a config that is not PEFT's LoRA
+    JSON, weights whose safetensors header is damaged."""
+    from safetensors import safe_open
+
+    config = adapter / "adapter_config.json"
+    try:
+        problem = None if read_json(config).get("peft_type") == "LORA" else "not a LoRA config"
+        problem = problem and f"{config} is {problem}"
+    except UserError as e:
+        problem = str(e)
+    for name in ADAPTER_FILES[1:]:
+        try:
+            if (adapter / name).is_file():
+                with safe_open(str(adapter / name), framework="pt") as weights:
+                    weights.keys()
+        except Exception as e:  # safetensors' header errors have no common type
+            problem = problem or f"{adapter / name} is damaged ({first_line(e)})"
+    if problem:
+        raise UserError(
+            f"{problem}; nothing was exported. The run's checkpoints are intact: delete "
+            f"{run_dir / 'final'} and `cory-lora resume {run_dir}` writes it again"
+        )
 
 
 def _shareable(directory: Path) -> None:
@@ -187,7 +213,7 @@ def _training_summary(run_dir: Path, agent: str) -> str:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return ""
-    rows = read_jsonl(path)
+    rows = read_metrics(path)
     if not rows:
         return ""
 

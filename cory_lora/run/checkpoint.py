@@ -140,14 +140,19 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> bool:
     False when it holds no sampling state for this rank (written by fewer processes)."""
     path = Path(path)
     try:
-        record = json.loads((path / "state.json").read_text())
-    except (OSError, ValueError) as e:
-        raise _corrupt(path, "state.json", str(e)) from None
+        record = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise _corrupt(path, "state.json", "not UTF-8 text") from None
+    except ValueError as e:
+        raise _corrupt(path, "state.json", f"not valid JSON: {e}") from None
+    except OSError as e:
+        raise _corrupt(path, "state.json", e.strerror or str(e)) from None
+    misfit = state.misfit(record)
+    if misfit is not None:
+        raise _corrupt(path, "state.json", misfit)
     for name, digest in record.get("files", {}).items():
         if not (path / name).is_file() or _sha256(path / name) != digest:
             raise _corrupt(path, name, "missing or its checksum does not match")
-    if not state.fits(record):
-        raise _corrupt(path, "state.json", "written by another version or for other agents")
     try:
         agents.load(path, tuple(state.agents))
     except (RuntimeError, ValueError, KeyError) as e:  # e.g. config.toml edited to another shape
@@ -168,7 +173,10 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> bool:
                 raise _corrupt(path, ema.name, "missing (the run has reset.every set)")
             agent.ema.load_state_dict(load_file(str(ema)))
     own_sampling = state.load_rng_tensors(_load_plain(path / "rng.pt"))
-    state.load_record(record)
+    try:
+        state.load_record(record)
+    except (ValueError, TypeError, IndexError) as e:  # e.g. a random state of the wrong length
+        raise _corrupt(path, "state.json", f"{type(e).__name__}: {e}") from None
     return own_sampling
 
 

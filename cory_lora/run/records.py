@@ -1,5 +1,6 @@
 """A run's records: metrics.jsonl (one line per iteration) and samples.jsonl, JSON lines each
-appended whole and flushed (`append_jsonl`), read back whole lines only (`read_jsonl`).
+appended whole and flushed (`append_jsonl`); metrics read back whole records only
+(`read_metrics`, which warns about the lines it leaves out).
 
 Every checkpoint carries a copy of the logs up to it (`snapshot_logs`), so a resume restores
 them whole (`restore_logs`) even when a line of the live log was damaged since; `log_damage`
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from cory_lora.errors import UserError, os_error_message
@@ -19,18 +21,57 @@ LOGS = ("metrics.jsonl", "samples.jsonl")
 LOG_SNAPSHOT = "logs"  # inside each checkpoint: the logs up to it
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every complete JSON object line of a file; a last line cut short by a crash, or any line
-    damaged since (bytes that are not UTF-8, not an object), is left out."""
-    records = []
-    for line in _text(path, errors="replace").splitlines():
-        try:
-            record = json.loads(line) if line.strip() else None
-        except ValueError:
+_WARNED: set[Path] = set()  # metrics files already warned about in this process
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's records, one per iteration. A line that is not a whole record (bytes
+    that are not UTF-8, not a JSON object, no iteration number, a metric that is neither a
+    number nor null) is left out, with one warning per file naming the lines; a last line
+    without its newline is what a run being written (or killed) leaves, and is left out
+    silently."""
+    records, damaged = [], []
+    try:
+        raw_lines = Path(path).read_bytes().split(b"\n")
+    except IsADirectoryError:
+        raise UserError(f"{path} is a directory where a file should be") from None
+    except OSError as e:
+        raise UserError(os_error_message(e, f"cannot read {path}")) from None
+    last = len(raw_lines) - 1  # the text after the final newline: empty, or a line cut short
+    for number, raw in enumerate(raw_lines, 1):
+        if not raw.strip():
             continue
-        if isinstance(record, dict):
+        record = _metrics_record(raw)
+        if record is not None:
             records.append(record)
+        elif number <= last:
+            damaged.append(number)
+    if damaged and Path(path) not in _WARNED:
+        _WARNED.add(Path(path))
+        print(
+            f"warning: {path}: {len(damaged)} damaged line(s) left out (line(s) "
+            f"{_ranges(damaged)}: not a whole metrics record)",
+            file=sys.stderr,
+        )
     return records
+
+
+def _metrics_record(raw: bytes) -> dict | None:
+    """One metrics line as a record, or None when it is damaged."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
+        return None
+    if not isinstance(record, dict):
+        return None
+    iteration = record.get("iteration")
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 1:
+        return None
+    for key, value in record.items():
+        text = key.endswith("/role") and isinstance(value, str)
+        if not (text or value is None or isinstance(value, (int, float))):
+            return None
+    return record
 
 
 def read_json(path: Path) -> dict:

@@ -58,7 +58,7 @@ from cory_lora.rewards import Reward, load_reward
 from cory_lora.run.checkpoint import list_checkpoints, save_checkpoint
 from cory_lora.run.heldout import Evaluator
 from cory_lora.run.interrupts import GracefulStop, Interrupted
-from cory_lora.run.records import read_jsonl
+from cory_lora.run.records import read_metrics
 from cory_lora.run.resume import restore
 from cory_lora.run.rundir import RunDir
 from cory_lora.services import distributed
@@ -157,7 +157,7 @@ def run(
         raise
     if not distributed.is_main():
         return []
-    history = read_jsonl(run_dir.path / "metrics.jsonl")
+    history = read_metrics(run_dir.path / "metrics.jsonl")
     display.summary(history, setup.agents.names, run_dir.path)
     return history
 
@@ -242,6 +242,7 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
             episode.reward_problem(scores[name], setup.reward.name),
             recipe,
             state.minibatch_rng,
+            episode.pioneer_width,
         )
         for name in agents.names
     }

@@ -12,7 +12,6 @@ the reward is not 0/1).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -20,6 +19,7 @@ import tomllib
 from pathlib import Path
 
 from cory_lora.errors import UserError, os_error_message
+from cory_lora.run import records
 
 PANELS = (
     ("task_reward", "task reward"),
@@ -40,21 +40,12 @@ def agent_names(rows: list[dict]) -> list[str]:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The run's metrics, one dict per iteration. Lines that are not whole records (the last
-    one of a run being written or killed, or a damaged one) are left out: a plot of what is
-    there beats no plot."""
+    """The run's metrics, one dict per iteration; damaged lines are left out with a warning
+    (`records.read_metrics`): a plot of what is there beats no plot."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{run_dir}: no metrics.jsonl (not a run directory, or no iteration done)")
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("iteration"), int):
-                rows.append(row)
+    rows = records.read_metrics(path)
     if not rows:
         raise UserError(f"{path} holds no complete iteration yet")
     return rows

@@ -22,8 +22,9 @@ import numpy as np
 from cory_lora.config import toml_value
 from cory_lora.errors import UserError
 from cory_lora.run.atomic import atomic_file, atomic_write_text
-from cory_lora.run.records import read_json, read_jsonl
+from cory_lora.run.records import read_metrics
 from cory_lora.science.plots import agent_names
+from cory_lora.science.schemas import EvalRecord, StudyRecord, read_record
 from cory_lora.science.study import STATE_FILE
 
 METRICS = ("task_reward", "kl", "combined_reward")
@@ -83,14 +84,13 @@ def build_report(study_dir: Path) -> dict:
     state_path = study_dir / STATE_FILE
     if not state_path.exists():
         raise UserError(f"{study_dir}: not a study directory (no {STATE_FILE})")
-    state = read_json(state_path)
     try:
-        return _report_of(study_dir, state)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        state = read_record(state_path, StudyRecord)
+    except UserError as e:
         raise UserError(
-            f"{state_path} (or a run's eval.json) is damaged: {type(e).__name__} {e}; "
-            "`cory-lora study` with the same study file rewrites study.json"
+            f"{e}; `cory-lora study` with the same study file rewrites study.json"
         ) from None
+    return _report_of(study_dir, state)
 
 
 def _report_of(study_dir: Path, state: dict) -> dict:
@@ -105,7 +105,7 @@ def _report_of(study_dir: Path, state: dict) -> dict:
             {"arm": record["arm"], "grid": record["grid"], "train": [], "heldout": [], "runs": []},
         )
         metrics = (
-            read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+            read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
         )
         if record["status"] != "done" or not metrics:
             failed.append(
@@ -115,7 +115,7 @@ def _report_of(study_dir: Path, state: dict) -> dict:
         group["runs"].append(record["id"])
         group["train"].append(run_final(metrics, window) | {"seed": record["seed"]})
         if (run_dir / "eval.json").is_file():
-            evaluation = read_json(run_dir / "eval.json")
+            evaluation = read_record(run_dir / "eval.json", EvalRecord)
             group["heldout"].append(run_heldout(evaluation) | {"seed": record["seed"]})
     points = []
     for label, group in groups.items():
@@ -293,7 +293,7 @@ def plot_curves(study_dir: Path, report: dict, out: Path, smooth: int = 10) -> N
     fig, axes = plt.subplots(1, 2, figsize=(15, 5))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, p in enumerate(report["points"]):
-        runs = [read_jsonl(Path(study_dir) / r / "metrics.jsonl") for r in p["runs"]]
+        runs = [read_metrics(Path(study_dir) / r / "metrics.jsonl") for r in p["runs"]]
         if not runs:
             continue
         length = min(len(r) for r in runs)

@@ -48,7 +48,7 @@ from cory_lora.errors import ConfigError, Problem, UserError
 from cory_lora.run.atomic import atomic_write_text
 from cory_lora.run.interrupts import Terminated, child_environment, stopped_by_signal
 from cory_lora.run.lock import RunLock
-from cory_lora.run.records import read_jsonl
+from cory_lora.run.records import read_metrics
 from cory_lora.run.resume import resume_differences
 from cory_lora.services.distributed import check_batch_split
 
@@ -306,7 +306,7 @@ def records_complete(run_dir: Path) -> bool:
         return False
     try:
         wanted = tomllib.loads(config.read_text(encoding="utf-8"))["train"]["iterations"]
-        return len(read_jsonl(metrics)) >= int(wanted)
+        return len(read_metrics(metrics)) >= int(wanted)
     except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
         return False
 
@@ -459,7 +459,7 @@ def _sets(overrides: tuple[str, ...]) -> list[str]:
 
 def _iterations_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
-    return len(read_jsonl(path)) if path.is_file() else 0
+    return len(read_metrics(path)) if path.is_file() else 0
 
 
 def _last_error(log: Path) -> str:
