@@ -77,6 +77,8 @@ class Configuration:
 CONFIGURATIONS = (
     Configuration("ppo", ("train.algorithm=ppo",)),
     Configuration("cory n=2", ("train.algorithm=cory",)),
+    # the default before ppo.micro_batch_tokens = "auto": every micro-batch micro_batch_size rows
+    Configuration("cory n=2 uncapped", ("train.algorithm=cory", "ppo.micro_batch_tokens=0")),
     Configuration("cory n=3", ("train.algorithm=cory", "cory.agents=3")),
     # critic-free: 2 answers to each of half the queries, so as many episodes as the others
     Configuration(

@@ -38,7 +38,8 @@ def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recip
     if not path.is_file():
         raise ConfigError([Problem((), f"recipe {str(path)!r}: no such file")])
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the TOML
+        raw = tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError([Problem((), f"recipe {str(path)!r} is not valid TOML: {e}")]) from None
     except OSError as e:

@@ -43,6 +43,8 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """The run's metrics, one dict per iteration; damaged lines are left out with a warning
     (`records.read_metrics`): a plot of what is there beats no plot."""
     path = Path(run_dir) / "metrics.jsonl"
+    if not Path(run_dir).is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
     if not path.exists():
         raise UserError(f"{run_dir}: no metrics.jsonl (not a run directory, or no iteration done)")
     rows = records.read_metrics(path)
