@@ -263,7 +263,7 @@ def measure(args, config: Configuration, live: bool) -> dict:
     steps = AgentSteps(train, live)
     run_dir = RunDir(args.workdir / f"run-{config.name.replace(' ', '-')}-{os.getpid()}")
     quiet = Display(Console(file=io.StringIO()), quiet=True)
-    setup, state = train.prepare(recipe, run_dir, quiet, resume=False)
+    setup, state = train.prepare(recipe, run_dir, quiet, resume=False, open_sink=None)
     result = {"rss_after_loading": vm_kb("VmRSS") * 1024, "times": []}
     if live:
         result["live_at_start"] = live_tensor_bytes()
