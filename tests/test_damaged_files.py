@@ -48,6 +48,15 @@ def test_a_damaged_data_file_is_one_message_naming_it(tmp_path, name, content, s
     assert message.startswith(f"data.dataset = {str(path)!r}") and said in message, message
 
 
+def test_json_lines_in_a_json_file_load_and_their_damage_is_named_by_line(tmp_path):
+    path = tmp_path / "rows.json"  # datasets reads JSON lines from a .json file too
+    path.write_text(ROW + ROW)
+    assert len(load_prompts(DataConfig(dataset=str(path), query_column="query"))) == 2
+    path.write_text(ROW + '{"query": "2+2=",\n')
+    with pytest.raises(UserError, match=r"rows\.json line 2 is not valid JSON"):
+        load_prompts(DataConfig(dataset=str(path), query_column="query"))
+
+
 def test_an_empty_split_file_in_a_dataset_directory_is_named(tmp_path):
     (tmp_path / "train.jsonl").write_text(ROW)
     (tmp_path / "test.jsonl").write_text("")

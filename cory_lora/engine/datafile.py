@@ -87,6 +87,8 @@ def _check_json(text: str, path: Path, key: str) -> None:
     try:
         data = json.loads(text)
     except ValueError as e:
+        if e.msg == "Extra data" and _first_line_is_an_object(text):
+            return _check_json_lines(text, path, key)  # JSON lines in a .json file: datasets' way
         raise UserError(
             f"{key}: {path} is not valid JSON ({e.msg}, line {e.lineno} column {e.colno})"
         ) from None
@@ -97,3 +99,10 @@ def _check_json(text: str, path: Path, key: str) -> None:
         )
     if data == [] or data == {}:
         raise UserError(f"{key}: {path} has no rows")
+
+
+def _first_line_is_an_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text.lstrip().splitlines()[0]), dict)
+    except (ValueError, IndexError):
+        return False
