@@ -89,7 +89,9 @@ def run_ours(args, model_dir: str) -> tuple[list[float], int]:
         (Path(tmp) / "recipe.toml").write_text(recipe_toml(recipe))
         command = [sys.executable, "-m", "cory_lora", "run", str(Path(tmp) / "recipe.toml")]
         command += ["--output-dir", str(Path(tmp) / "run"), "--quiet"]
-        done = subprocess.run(command, capture_output=True, text=True)
+        # the run dies with this process (the kernel's parent-death signal), as a study's run does
+        env = os.environ | {"CORY_LORA_PARENT_PID": str(os.getpid())}
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
         if done.returncode != 0:
             sys.exit(f"cory-lora run failed:\n{done.stderr[-3000:]}")
         lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
