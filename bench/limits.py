@@ -70,10 +70,10 @@ def weight_counts(agents) -> tuple[int, int, int]:
     """(parameters of the decoder's linear layers, hidden size, vocabulary): what each token's
     forward multiplies by, the LM head apart."""
     config = agents.model.config
-    layers = sum(
+    layers = sum(  # nn.Linear only: PEFT's wrappers repeat their base layer's in/out features
         m.in_features * m.out_features
         for name, m in agents.model.named_modules()
-        if hasattr(m, "in_features") and "lora" not in name and "lm_head" not in name
+        if isinstance(m, torch.nn.Linear) and "lora_" not in name and "lm_head" not in name
     )
     return layers, config.hidden_size, config.vocab_size
 

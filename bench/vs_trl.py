@@ -16,9 +16,10 @@ same learning rate), LoRA r 16 / alpha 32 on every projection, float32 (--dtype)
 * cory-lora: `train.algorithm = "ppo"`, `ppo.advantage = "grpo"`, `ppo.kl_in = "loss"`,
   `generation.samples_per_query = G`, epochs 1, minibatch Q x G / steps; time per iteration
   from its metrics (`time/iteration_s`).
-* TRL: `GRPOTrainer` with a PEFT LoraConfig of the same shape, `generation_batch_size = Q x G`,
-  `steps_per_generation = steps`, `num_iterations = 1`, `loss_type = "grpo"`; time per
-  iteration = the time between the ends of successive generation cycles (a callback).
+* TRL: `GRPOTrainer` with a PEFT LoraConfig of the same shape, per-device batch Q x G / steps,
+  `steps_per_generation = steps` (so a generation batch is Q x G), `num_iterations = 1`,
+  `loss_type = "grpo"`; time per iteration = the time between the ends of successive generation
+  cycles (a callback).
 
 Each side runs in its own process (peak RSS: its ru_maxrss, loading included; both load the
 same fp32 weights), the sides alternate for --rounds rounds on one machine, and the first
@@ -127,7 +128,6 @@ def run_trl(args, model_dir: str) -> tuple[list[float], int]:
             per_device_train_batch_size=episodes // args.steps,
             gradient_accumulation_steps=1,
             steps_per_generation=args.steps,
-            generation_batch_size=episodes,
             num_generations=args.group,
             num_iterations=1,
             max_completion_length=args.new_tokens,
