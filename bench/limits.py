@@ -78,8 +78,8 @@ def weight_counts(agents) -> tuple[int, int, int]:
     return layers, config.hidden_size, config.vocab_size
 
 
-def phases(recipe, batch: int, repeats: int) -> dict[str, tuple[float, float, int]]:
-    """Per phase: (seconds, FLOPs, tokens) on the model of `recipe`."""
+def phases(recipe, batch: int, repeats: int) -> tuple[dict[str, tuple[float, float]], int]:
+    """Per phase (seconds, FLOPs) on the model of `recipe`, and its weights' bytes."""
     agents = load_agents(recipe)
     layers, hidden, vocab = weight_counts(agents)
     prompt, new = recipe.data.max_prompt_tokens, recipe.generation.max_new_tokens
@@ -99,7 +99,7 @@ def phases(recipe, batch: int, repeats: int) -> dict[str, tuple[float, float, in
             past.crop(-1)  # back to the prompt's length: every step sees the same cache
 
         flops = 2 * (layers + hidden * vocab) * batch
-        out["decode"] = (timed(decode, repeats), flops, batch)
+        out["decode"] = (timed(decode, repeats), flops)
 
         def score():
             with torch.no_grad():
@@ -107,7 +107,7 @@ def phases(recipe, batch: int, repeats: int) -> dict[str, tuple[float, float, in
 
         tokens = rows * (prompt + new)
         forward = 2 * layers * tokens + 2 * hidden * vocab * rows * (new + 1)
-        out["score"] = (timed(score, repeats), forward, tokens)
+        out["score"] = (timed(score, repeats), forward)
 
         def update():
             agents.model.train()
@@ -116,7 +116,7 @@ def phases(recipe, batch: int, repeats: int) -> dict[str, tuple[float, float, in
             agents.model.zero_grad(set_to_none=True)
             agents.model.eval()
 
-        out["update"] = (timed(update, repeats), 3 * forward, tokens)
+        out["update"] = (timed(update, repeats), 3 * forward)
     weight_bytes = sum(
         p.numel() * p.element_size() for n, p in agents.model.named_parameters() if "lora" not in n
     )
@@ -164,7 +164,7 @@ def main() -> None:
         recipe = load_recipe(RECIPE, [*where, *sets])
         measured, weight_bytes = phases(recipe, args.batch, repeats)
         peak = limits["torch.float32" if name == "float32" else "torch.bfloat16"]
-        for phase, (seconds, flops, _) in measured.items():
+        for phase, (seconds, flops) in measured.items():
             passes = 3 if phase == "update" else 1  # the backward reads the weights twice
             limit = max(flops / peak, passes * weight_bytes / limits["bytes/s"])
             print(

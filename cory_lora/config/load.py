@@ -24,7 +24,15 @@ from pydantic import ValidationError
 
 from cory_lora.config.checks import cross_checks
 from cory_lora.config.problems import schema_problems, show
-from cory_lora.config.sections import PER_AGENT, SECTIONS, AgentOverride, Recipe, Section, to_dict
+from cory_lora.config.sections import (
+    DATA_FILE_SUFFIXES,
+    PER_AGENT,
+    SECTIONS,
+    AgentOverride,
+    Recipe,
+    Section,
+    to_dict,
+)
 from cory_lora.errors import ConfigError, Problem
 
 
@@ -62,7 +70,7 @@ def paths_run_from_elsewhere(recipe: Recipe, recipe_path: Path) -> list[Problem]
         ("model.name_or_path", recipe.model.name_or_path),
         ("data.dataset", recipe.data.dataset),
     ):
-        local = "/" in value or Path(value).suffix in (".json", ".jsonl", ".csv", ".parquet")
+        local = "/" in value or Path(value).suffix in DATA_FILE_SUFFIXES
         if not local or Path(value).is_absolute() or value.startswith("~") or Path(value).exists():
             continue  # a bare word is a hub id as often as a folder
         here = Path(recipe_path).resolve().parent

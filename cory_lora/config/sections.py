@@ -69,6 +69,10 @@ class LoraConfig(Section):
     """Module names that get LoRA, e.g. ["q_proj", "v_proj"], or ["all-linear"]."""
 
 
+# What data.dataset may name as a local file (each read by datasets' builder of that format).
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+
 class DataConfig(Section):
     dataset: Str = ""
     """Prompts: a hub dataset id, or a local .json/.jsonl/.parquet/.csv file or a directory of them

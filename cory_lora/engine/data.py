@@ -15,6 +15,7 @@ from cory_lora.config import DataConfig, template_fields
 from cory_lora.engine.datafile import check_data_file, split_files
 from cory_lora.errors import UserError
 
+# the datasets builder of each local file type (config.DATA_FILE_SUFFIXES)
 LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from cory_lora.config import DATA_FILE_SUFFIXES
 from cory_lora.errors import UserError, os_error_message
 
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv")  # parquet is binary: datasets' own check names it
@@ -39,7 +40,7 @@ def split_files(directory: Path, split: str) -> list[Path]:
             found += [
                 p
                 for p in sorted(folder.iterdir())
-                if p.suffix in (*TEXT_SUFFIXES, ".parquet")
+                if p.suffix in DATA_FILE_SUFFIXES
                 and (p.stem == split or p.stem.startswith(f"{split}-"))
             ]
     return found

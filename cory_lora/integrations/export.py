@@ -82,9 +82,10 @@ def _check_adapter(run_dir: Path, adapter: Path) -> None:
     from safetensors import safe_open
 
     config = adapter / "adapter_config.json"
+    problem = None
     try:
-        problem = None if read_json(config).get("peft_type") == "LORA" else "not a LoRA config"
-        problem = problem and f"{config} is {problem}"
+        if read_json(config).get("peft_type") != "LORA":
+            problem = f"{config} is not a LoRA config"
     except UserError as e:
         problem = str(e)
     for name in ADAPTER_FILES[1:]:

@@ -77,7 +77,7 @@ def _metrics_record(raw: bytes) -> dict | None:
 def read_json(path: Path) -> dict:
     """A JSON object file (study.json, eval.json, state.json); any damage is one UserError naming
     the file."""
-    text = _text(path, errors="strict")
+    text = _text(path)
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -87,9 +87,9 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def _text(path: Path, errors: str) -> str:
+def _text(path: Path) -> str:
     try:
-        return Path(path).read_text(encoding="utf-8", errors=errors)
+        return Path(path).read_text(encoding="utf-8")
     except IsADirectoryError:
         raise UserError(f"{path} is a directory where a file should be") from None
     except UnicodeDecodeError:

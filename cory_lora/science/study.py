@@ -307,7 +307,7 @@ def records_complete(run_dir: Path) -> bool:
     try:
         wanted = tomllib.loads(config.read_text(encoding="utf-8"))["train"]["iterations"]
         return len(read_metrics(metrics)) >= int(wanted)
-    except (OSError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+    except (OSError, UserError, ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
         return False
 
 
