@@ -19,6 +19,8 @@ temperature, top-k, top-p, then sample (or argmax when temperature is 0).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,24 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
 def position_ids(mask: torch.Tensor) -> torch.Tensor:
     """Positions counting real tokens only; pads get 0 (they are masked anyway)."""
     return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@contextmanager
+def contiguous_head_input(model) -> Iterator[None]:
+    """Within the block, the LM head gets a contiguous input.
+
+    `logits_to_keep=n` hands the head a strided view of the last n positions ([B, n, H] inside
+    [B, L, H]). On CPU, PyTorch's linear cannot fold a strided 3-D input into one matrix multiply:
+    it expands the [V, H] head weight to a batched multiply, copying it once per row. Measured on
+    SmolLM2 (V = 49,152, 8 rows x 17 positions, 2 cores): 519 ms in bfloat16 and 80 ms in float32,
+    against 10 and 35 ms for the same numbers from a contiguous input. Scoring, the update and the
+    sampler's prompt pass all keep a few positions, so all three paid it."""
+    head = model.get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda _, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @torch.no_grad()
@@ -117,9 +137,14 @@ def _generate_micro_batch(model, tokenizer, prompts, cfg, stopping, generator):
     lengths = torch.full((b,), cfg.max_new_tokens, dtype=torch.long, device=device)
     active = torch.arange(b, device=device)  # original row of each row still generating
     positions = position_ids(mask)
-    out = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-    )
+    with contiguous_head_input(model):
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     cache, next_positions = out.cache, positions[:, -1:] + 1
     seen = None
     if cfg.repetition_penalty != 1.0:
@@ -172,7 +197,8 @@ def _pick(logits, step, cfg: GenerationConfig, eos, seen, generator) -> torch.Te
         logits[:, eos] = float("-inf")
     if cfg.temperature == 0:
         return logits.argmax(-1)
-    logits = logits / cfg.temperature
+    if cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
     if 0 < cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -183,17 +209,28 @@ def _pick(logits, step, cfg: GenerationConfig, eos, seen, generator) -> torch.Te
         remove_sorted[:, -1] = False  # always keep the most likely token
         remove = remove_sorted.scatter(1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
-    probs = logits.softmax(-1)
-    try:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    except RuntimeError as e:
-        if "probability tensor contains" not in str(e):
-            raise
+    return sample(logits, generator)
+
+
+def sample(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row, drawn from softmax(logits [b, V]) by inverse CDF: one uniform number per
+    row against the cumulative sum of the unnormalised probabilities. `torch.multinomial` (and so
+    `generate`) draws an exponential for every vocabulary entry instead: for SmolLM2's 49,152
+    entries that took 14 ms of an 86 ms decode step on 2 CPU cores; this takes under 1 ms."""
+    weights = (logits - logits.amax(-1, keepdim=True)).exp()  # -inf (masked) -> 0
+    cdf = weights.cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    if not bool(torch.isfinite(total).all() & (total > 0).all()):
         raise UserError(
             "sampling failed: the model's next-token probabilities hold NaN/inf (a numerical "
             "overflow: model.dtype = float16 on a model trained in bfloat16, or a learning rate "
             "too high?)"
-        ) from None
+        )
+    u = torch.rand(total.shape, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    picked = torch.searchsorted(cdf, u * total, right=True)
+    # u * total can round up to total itself; the first entry that reaches the total has weight.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(picked, last).squeeze(1)
 
 
 def _hits_stop_string(

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cory_lora.config import ModelConfig, Recipe
-from cory_lora.engine.generation import Stopping, position_ids
+from cory_lora.engine.generation import Stopping, contiguous_head_input, position_ids
 from cory_lora.errors import ConfigError, Problem, UserError, first_line
 from cory_lora.services import distributed, fetch
 
@@ -80,17 +80,18 @@ class Agents:
         the LM head's input, so whatever the model does before its head (final norm) is kept.
         """
         captured: list[torch.Tensor] = []
-        hook = self._lm_head.register_forward_pre_hook(lambda _, args: captured.append(args[0]))
-        try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids(attention_mask),
-                use_cache=False,
-                logits_to_keep=n_keep,
-            )
-        finally:
-            hook.remove()
+        with contiguous_head_input(self.model):  # first, so that the hidden state captured is too
+            hook = self._lm_head.register_forward_pre_hook(lambda _, a: captured.append(a[0]))
+            try:
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids(attention_mask),
+                    use_cache=False,
+                    logits_to_keep=n_keep,
+                )
+            finally:
+                hook.remove()
         return out.logits, captured[-1]
 
     def values(self, name: str, hidden: torch.Tensor) -> torch.Tensor:
