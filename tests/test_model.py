@@ -281,3 +281,29 @@ def test_micro_batch_tokens_cuts_long_sequences_into_fewer_rows_and_changes_no_u
     )
     for key, value in after[0].items():
         assert torch.allclose(after[1][key], value, atol=1e-6), key
+
+
+def test_the_lm_head_gets_a_contiguous_input_where_few_positions_are_kept(agents):
+    """Scoring and the sampler's prompt pass keep the last few positions (`logits_to_keep`): a
+    strided view, for which CPU linear copies the head weight once per row (52x slower in bf16 on
+    SmolLM2). The head must see a contiguous input, and the kept logits must be the full pass's."""
+    from cory_lora.config import GenerationConfig
+    from cory_lora.engine.generation import Stopping, generate
+
+    _, agents = agents
+    seen: list[bool] = []
+    hook = agents.model.get_output_embeddings().register_forward_hook(
+        lambda _, args, __: seen.append(args[0].is_contiguous())
+    )
+    ids, mask = probe(agents)
+    try:
+        with torch.no_grad(), agents.use("llm1"):
+            kept, _ = agents.forward(ids, mask, 3)
+            full, _ = agents.forward(ids, mask, ids.shape[1])
+            prompts = [ids[0].tolist(), ids[1][mask[1].bool()].tolist()]
+            cfg = GenerationConfig(max_new_tokens=1, temperature=0.0)
+            generate(agents.model, agents.tokenizer, prompts, cfg, Stopping((0,)), None)
+    finally:
+        hook.remove()
+    assert seen == [True, True, True]
+    assert torch.allclose(kept, full[:, -3:], atol=1e-6)
