@@ -1,7 +1,8 @@
-"""Recipes: every shipped recipe validates; every problem is reported at once, by dotted key."""
+"""Recipes: every shipped recipe and study validates; every problem is reported at once, by dotted key."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -206,3 +207,15 @@ def test_validate_cli_exit_code_and_no_traceback(tmp_path):
     )
     assert good.returncode == 0, good.stderr
     assert "valid recipe" in good.stdout
+
+
+STUDIES = sorted((ROOT / "studies").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=[p.name for p in STUDIES])
+def test_shipped_studies_validate_with_every_run(path):
+    from cory_lora.science.study import load_study
+
+    study, runs = load_study(path)
+    points = math.prod(len(values) for values in study.grid.values())
+    assert len(runs) == len(study.seeds) * len(study.arms) * points
