@@ -1,4 +1,4 @@
-"""Recipes: every shipped recipe and study validates; every problem is reported at once, by dotted key."""
+"""Recipes and studies: every shipped one validates; every problem is reported at once, by key."""
 
 from __future__ import annotations
 
