@@ -5,6 +5,7 @@ from cory_lora.config.checks import template_fields
 from cory_lora.config.docs import describe_keys
 from cory_lora.config.load import load_recipe, recipe_from_dict, recipe_toml, toml_value
 from cory_lora.config.sections import (
+    DATA_FILE_BUILDERS,
     DATA_FILE_SUFFIXES,
     PER_AGENT,
     REQUIRED,
@@ -27,6 +28,7 @@ from cory_lora.config.sections import (
 from cory_lora.errors import ConfigError
 
 __all__ = [
+    "DATA_FILE_BUILDERS",
     "DATA_FILE_SUFFIXES",
     "PER_AGENT",
     "REQUIRED",

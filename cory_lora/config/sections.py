@@ -69,8 +69,9 @@ class LoraConfig(Section):
     """Module names that get LoRA, e.g. ["q_proj", "v_proj"], or ["all-linear"]."""
 
 
-# What data.dataset may name as a local file (each read by datasets' builder of that format).
-DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+# What data.dataset may name as a local file, and the datasets builder that reads each.
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+DATA_FILE_SUFFIXES = tuple(DATA_FILE_BUILDERS)
 
 
 class DataConfig(Section):

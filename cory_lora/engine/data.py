@@ -11,12 +11,9 @@ from pathlib import Path
 
 import torch
 
-from cory_lora.config import DataConfig, template_fields
+from cory_lora.config import DATA_FILE_BUILDERS, DataConfig, template_fields
 from cory_lora.engine.datafile import check_data_file, split_files
 from cory_lora.errors import UserError
-
-# the datasets builder of each local file type (config.DATA_FILE_SUFFIXES)
-LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 @dataclass(frozen=True)
@@ -228,18 +225,19 @@ def _load_split(cfg: DataConfig, split: str):
         if path.is_file():
             if path.stat().st_size == 0:
                 raise UserError(f"{key}: the file is empty")
-            builder = LOCAL_BUILDERS.get(path.suffix)
+            builder = DATA_FILE_BUILDERS.get(path.suffix)
             if builder is None:
-                raise UserError(f"{key}: unsupported file type (use {', '.join(LOCAL_BUILDERS)})")
+                kinds = ", ".join(DATA_FILE_BUILDERS)
+                raise UserError(f"{key}: unsupported file type (use {kinds})")
             check_data_file(path, key)
             # A single file is one split, whatever its name: it is the split asked for.
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         if not path.exists() and (
-            path.suffix in LOCAL_BUILDERS or cfg.dataset.startswith(("/", "./", "../", "~"))
+            path.suffix in DATA_FILE_BUILDERS or cfg.dataset.startswith(("/", "./", "../", "~"))
         ):
             relative = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
             raise UserError(f"{key}: no such file or directory{relative}")
-        if path.is_dir() and path.suffix in LOCAL_BUILDERS:
+        if path.is_dir() and path.suffix in DATA_FILE_BUILDERS:
             check_data_file(path, key)  # a directory named like a data file: say so
         if path.is_dir():
             for file in split_files(path, split):
