@@ -254,6 +254,18 @@ def test_saved_adapters_load_with_plain_peft(agents, tmp_path):
         assert torch.allclose(logits[real], agent_logits(a, name)[real], atol=1e-5)
 
 
+def record_forward_rows(agents) -> set[tuple[bool, int]]:
+    """From now on, each `agents.forward` call adds (gradients on, rows) to the returned set."""
+    seen, forward = set(), agents.forward
+
+    def recording(ids, *args, **kwargs):
+        seen.add((torch.is_grad_enabled(), len(ids)))
+        return forward(ids, *args, **kwargs)
+
+    agents.forward = recording
+    return seen
+
+
 def test_micro_batch_tokens_cuts_long_sequences_into_fewer_rows_and_changes_no_update(tiny_recipe):
     from cory_lora.config import PPOConfig
 
@@ -270,12 +282,15 @@ def test_micro_batch_tokens_cuts_long_sequences_into_fewer_rows_and_changes_no_u
     assert auto.with_token_cap(31).micro_batch_rows(31) == 8
     assert auto.with_token_cap(31).micro_batch_rows(62) == 4
     assert PPOConfig(micro_batch_tokens=0).with_token_cap(31).micro_batch_rows(62) == 8
-    after = {}
+    after, rows_seen = {}, {}
     for tokens in (0, 1):  # 1: one row per micro-batch, 2 x the micro-batches of the recipe's
         recipe = tiny_recipe(ppo={"micro_batch_tokens": tokens})
         a = load_agents(recipe)
+        seen = record_forward_rows(a)
         one_update(a, recipe, "llm1")
-        after[tokens] = snapshot(a, "llm1")
+        after[tokens], rows_seen[tokens] = snapshot(a, "llm1"), seen
+    # the cap binds the update (with gradients) only: scoring runs micro_batch_size rows always
+    assert rows_seen == {0: {(False, 2), (True, 2)}, 1: {(False, 2), (True, 1)}}
     assert any(
         not torch.equal(v, torch.zeros_like(v)) for k, v in after[0].items() if "lora_B" in k
     )

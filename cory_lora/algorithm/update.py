@@ -285,12 +285,16 @@ def _token_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per response token of agent `name`'s episodes, unmasked, each [B, T]: its logprobs, the
     reference's logprobs, its values (0: critic-free) and the KL penalty term (the recipe's
-    estimator), scored one micro-batch of episodes at a time."""
+    estimator), scored one micro-batch of episodes at a time.
+
+    Always micro_batch_size rows, whatever ppo.micro_batch_tokens: without gradients nothing is
+    kept across layers, and the logits are taken at the response positions only, so a wider
+    prompt (the observer's) adds little to the peak, while fewer rows per forward cost time
+    (on CPU a forward's fixed cost dominates at these sizes)."""
     critic = cfg.advantage == "gae"
     parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
-    width = gen.prompt_ids.shape[1] + gen.response_ids.shape[1]
     for rows, logits, hidden, ref_logits in _agent_and_reference(
-        agents, name, gen, cfg.micro_batch_rows(width)
+        agents, name, gen, cfg.micro_batch_size
     ):
         resp = gen.response_ids[rows]
         logprobs = _logprobs(logits, resp, temperature)

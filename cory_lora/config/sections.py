@@ -182,12 +182,13 @@ class PPOConfig(Section):
     """Episodes per forward/backward pass (gradient accumulation up to minibatch_size); also the
     scoring batch. Must divide minibatch_size."""
     micro_batch_tokens: TokenCap = "auto"
-    """Cap on the tokens (rows x prompt-plus-response width) of a scoring or update micro-batch: a
-    batch of longer sequences (the observer's, which hold the pioneer's answer) is cut into
-    fewer rows each, so its activations peak no higher than the pioneer's; at least 1 row, at
-    most micro_batch_size. Gradient accumulation makes the update the same. `auto`: each
-    iteration, micro_batch_size x the width of the pioneer's sequences (single-agent PPO: never
-    binds); 0: micro_batch_size rows always."""
+    """Cap on the tokens (rows x prompt-plus-response width) of an update micro-batch (forward +
+    backward): a batch of longer sequences (the observer's, which hold the pioneer's answer) is
+    cut into fewer rows each, so its activations peak no higher than the pioneer's; at least 1
+    row, at most micro_batch_size. Gradient accumulation makes the update the same. Scoring (no
+    gradients, logits at response positions only) always runs micro_batch_size rows. `auto`:
+    each iteration, micro_batch_size x the width of the pioneer's sequences (single-agent PPO:
+    never binds); 0: micro_batch_size rows always (faster, more memory)."""
     epochs: Int = Field(4, gt=0)
     """PPO epochs over each batch."""
     gamma: Float = Field(1.0, ge=0, le=1)
