@@ -118,7 +118,7 @@ def phases(recipe, batch: int, repeats: int) -> tuple[dict[str, tuple[float, flo
 
         out["update"] = (timed(update, repeats), 3 * forward)
     weight_bytes = sum(
-        p.numel() * p.element_size() for n, p in agents.model.named_parameters() if "lora" not in n
+        p.numel() * p.element_size() for n, p in agents.model.named_parameters() if "lora_" not in n
     )
     return out, weight_bytes
 

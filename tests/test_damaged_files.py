@@ -97,7 +97,7 @@ def _edit_state(edit):
             "state.json: not valid JSON: ",
         ),
         (lambda p: p.write_text("[1, 2]"), "state.json: not a JSON object"),
-        (_edit_state(lambda r: r.pop("order")), "state.json: order: Field required"),
+        (_edit_state(lambda r: r.pop("order")), "state.json: order: missing"),
         (
             _edit_state(lambda r: r["agents"]["llm1"].update(bad_streak="3")),
             "state.json: agents.llm1.bad_streak: Input should be a valid integer",

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationErr
 from cory_lora.algorithm import ppo
 from cory_lora.algorithm.elastic import AdapterEMA
 from cory_lora.config import PPOConfig, Recipe
+from cory_lora.config.problems import first_record_problem
 from cory_lora.engine.data import PromptOrder
 from cory_lora.engine.model import Agents
 from cory_lora.services import distributed
@@ -73,9 +74,7 @@ def record_problem(record) -> str | None:
     try:
         StateRecord.model_validate(record)
     except ValidationError as e:
-        error = e.errors()[0]
-        where = ".".join(str(part) for part in error["loc"]) or "the file"
-        return f"{where}: {error['msg']}"
+        return first_record_problem(e)
     return None
 
 

@@ -46,6 +46,14 @@ def field_doc(model: type[BaseModel], key: str) -> str:
     return " ".join((model.model_fields[key].description or "").split())
 
 
+def first_record_problem(error: ValidationError) -> str:
+    """A machine-written record's (JSON file's) first problem as `dotted.key: what is wrong`:
+    records are not typed by users, so one problem, by key, is enough to name the damage."""
+    e = error.errors()[0]
+    where = ".".join(str(part) for part in e["loc"]) or "the file"
+    return f"{where}: {'missing' if e['type'] == 'missing' else e['msg']}"
+
+
 def schema_problems(
     error: ValidationError, cls: type[BaseModel], table: dict, prefix: str = ""
 ) -> list[Problem]:

@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from cory_lora.config.problems import first_record_problem
 from cory_lora.errors import UserError
 from cory_lora.run.records import read_json
 
@@ -74,8 +75,5 @@ def read_record(path: Path, schema: type[_Record]) -> dict:
     try:
         schema.model_validate(data)
     except ValidationError as e:
-        error = e.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        message = "missing" if error["type"] == "missing" else error["msg"]
-        raise UserError(f"{path} is damaged ({where}: {message})") from None
+        raise UserError(f"{path} is damaged ({first_record_problem(e)})") from None
     return data
