@@ -404,7 +404,8 @@ def default_output_dir(recipe_path: Path) -> Path:
 
 @app.command()
 def validate(recipe: RecipeArg, set_: SetOpt = None) -> None:
-    """Check a recipe (types, ranges, consistency) without loading any model."""
+    """Check a recipe (types, ranges, consistency) without loading any model, and print it
+    resolved: every key with the value a run would use."""
     with user_errors():
         config = load_recipe(recipe, set_ or [])
     console.print(recipe_toml(config), highlight=False, markup=False)
@@ -446,10 +447,11 @@ def eval_(
 
         result = evaluate(run_dir, split, limit, ks, n)
     held_out = "" if result["held_out"] else " (training prompts, NOT held out)"
+    per_prompt = result["samples_per_prompt"]
     table = Table(
         title=escape(
             f"{run_dir}: {result['prompts']} {result['split']} prompts{held_out}, "
-            f"{result['samples_per_prompt']} samples each"
+            f"{per_prompt} sample{'' if per_prompt == 1 else 's'} each"
         )
     )
     columns = [

@@ -191,13 +191,13 @@ def _eval_table(run_dir: Path) -> str:
     if not path.is_file():
         return "No evaluation yet (`cory-lora eval RUN_DIR` writes eval.json).\n"
     result = read_json(path)
-    ks = result.get("k", [])
+    ks, n = result.get("k", []), result.get("samples_per_prompt")
     header = ["row", "accuracy", *[f"pass@{k}" for k in ks], "task reward", "KL"]
     header.append(f"task − {result.get('eta')}·KL")
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     lines = [
         f"`cory-lora eval` on {result.get('prompts')} {result.get('split')} prompts, "
-        f"{result.get('samples_per_prompt')} samples each (accuracy: greedy):",
+        f"{n} sample{'' if n == 1 else 's'} each (accuracy: greedy):",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
