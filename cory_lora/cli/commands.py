@@ -443,15 +443,14 @@ def eval_(
         if min(ks) < 1 or limit < 1 or n < 0:
             raise UserError("--k values and --limit must be positive, --n not negative")
         quiet_libraries()
-        from cory_lora.science.evaluate import evaluate
+        from cory_lora.science.evaluate import evaluate, samples_each
 
         result = evaluate(run_dir, split, limit, ks, n)
     held_out = "" if result["held_out"] else " (training prompts, NOT held out)"
-    per_prompt = result["samples_per_prompt"]
     table = Table(
         title=escape(
             f"{run_dir}: {result['prompts']} {result['split']} prompts{held_out}, "
-            f"{per_prompt} sample{'' if per_prompt == 1 else 's'} each"
+            + samples_each(result["samples_per_prompt"])
         )
     )
     columns = [

@@ -32,6 +32,7 @@ from cory_lora.engine.model import (
 from cory_lora.errors import UserError, first_line
 from cory_lora.run.atomic import atomic_directory
 from cory_lora.run.records import read_json, read_metrics
+from cory_lora.science.evaluate import samples_each
 from cory_lora.services import fetch
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
@@ -191,13 +192,13 @@ def _eval_table(run_dir: Path) -> str:
     if not path.is_file():
         return "No evaluation yet (`cory-lora eval RUN_DIR` writes eval.json).\n"
     result = read_json(path)
-    ks, n = result.get("k", []), result.get("samples_per_prompt")
+    ks = result.get("k", [])
     header = ["row", "accuracy", *[f"pass@{k}" for k in ks], "task reward", "KL"]
     header.append(f"task − {result.get('eta')}·KL")
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     lines = [
         f"`cory-lora eval` on {result.get('prompts')} {result.get('split')} prompts, "
-        f"{n} sample{'' if n == 1 else 's'} each (accuracy: greedy):",
+        f"{samples_each(result.get('samples_per_prompt'))} (accuracy: greedy):",
         "",
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),

@@ -112,6 +112,11 @@ def _evaluate(run_dir: Path, split: str | None, limit: int, ks: tuple[int, ...],
     return result | {"path": str(path)}
 
 
+def samples_each(n: int) -> str:
+    """How an eval.json's samples_per_prompt reads in a heading (the eval table, the model card)."""
+    return f"{n} sample{'' if n == 1 else 's'} each"
+
+
 def _default_split(recipe: Recipe) -> str | None:
     try:
         return eval_split(recipe.data)[0]
