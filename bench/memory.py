@@ -20,8 +20,9 @@ per configuration, as ratios to `ppo`:
   profiler slows a run and inflates its RSS);
 * seconds per iteration (mean; from the RSS processes, which run one after another).
 
-Then each agent's step (rollout scoring + PPO update) in iteration 1: its role, the width of
-the sequences it trains on (prompt + response), its seconds and its peak live tensors. The
+Then the agents' step (`train.learn`: every agent's rollout scoring + PPO update) in iteration
+1: each agent's role and the width of the sequences it trains on (prompt + response), the
+step's seconds and its peak live tensors. The
 observer's prompt holds the query, the pioneer's answer and the query again, so its sequences
 are about twice the pioneer's, and so are its activations: that, not a leak, is what CORY adds
 over PPO (tests/test_memory.py checks that a step leaves only its optimizer moments behind).
@@ -46,7 +47,6 @@ import argparse
 import bisect
 import contextlib
 import gc
-import inspect
 import io
 import itertools
 import json
@@ -80,6 +80,7 @@ CONFIGURATIONS = (
     Configuration("cory n=2", ("train.algorithm=cory",)),
     # the default before ppo.micro_batch_tokens = "auto": every micro-batch micro_batch_size rows
     Configuration("cory n=2 uncapped", ("train.algorithm=cory", "ppo.micro_batch_tokens=0")),
+    Configuration("cory n=2 fused", ("train.algorithm=cory", "train.fused=true")),
     Configuration("cory n=3", ("train.algorithm=cory", "cory.agents=3")),
     # critic-free: 2 answers to each of half the queries, so as many episodes as the others
     Configuration(
@@ -206,32 +207,30 @@ def live_tensor_bytes() -> int:
 
 
 class AgentSteps:
-    """Wraps train.train_agent to note each agent's step: role, width of its sequences,
-    seconds, and the RSS (and CUDA) high-water after it; in a profiled run, its span."""
+    """Wraps train.learn (step 4 of an iteration: every agent's rollout scoring and PPO update)
+    to note each call: the agents' roles and sequence widths, seconds, and the RSS (and CUDA)
+    high-water after it; in a profiled run, its span."""
 
     def __init__(self, train_module, live: bool):
-        from cory_lora.algorithm.cory import roles_at
-
         self.steps: list[dict] = []
-        original = train_module.train_agent
-        signature = inspect.signature(original)
+        original = train_module.learn
 
-        def train_agent(*args, **kwargs):
+        def learn(learners, episode, scores, reward_name, fused):
             import torch
 
-            bound = signature.bind(*args, **kwargs).arguments
-            name, gen, recipe = bound["name"], bound["generation"], bound["recipe"]
-            iteration = len(self.steps) // len(bound["agents"].names)
-            roles = roles_at(iteration, recipe.cory.swap_every, bound["agents"].names)
+            widths = {
+                lr.name: sum(t.shape[1] for t in _sequences(episode.generation_of(lr.name)))
+                for lr in learners
+            }
             step = {
-                "iteration": iteration + 1,
-                "agent": name,
-                "role": roles.role_of(name),
-                "width": gen.prompt_ids.shape[1] + gen.response_ids.shape[1],
+                "iteration": len(self.steps) + 1,
+                "agents": {lr.name: episode.roles.role_of(lr.name) for lr in learners},
+                "widths": widths,
+                "fused": fused,
             }
             step["tag"], started = f"step {len(self.steps)}", time.perf_counter()
             with torch.profiler.record_function(step["tag"]) if live else contextlib.nullcontext():
-                out = original(*args, **kwargs)
+                out = original(learners, episode, scores, reward_name, fused)
             step["seconds"] = time.perf_counter() - started
             step["peak_rss"] = vm_kb("VmHWM") * 1024
             if torch.cuda.is_available():
@@ -239,7 +238,11 @@ class AgentSteps:
             self.steps.append(step)
             return out
 
-        train_module.train_agent = train_agent
+        train_module.learn = learn
+
+
+def _sequences(generation):
+    return generation.prompt_ids, generation.response_ids
 
 
 def measure(args, config: Configuration, live: bool) -> dict:
@@ -387,13 +390,13 @@ def report(results: dict[str, dict], unavailable: dict[str, list[str]]) -> None:
     done = {n: r for n, r in results.items() if "error" not in r}
     floors = ", ".join(f"{n} {r['rss_after_loading'] / GB:.2f} GB" for n, r in done.items())
     print(f"\nRSS after loading (libraries + model): {floors}")
-    print("each agent's step in iteration 1 (rollout scoring + PPO update):")
+    print("the agents' step in iteration 1 (every agent's rollout scoring + PPO update):")
     for name, r in done.items():
         for s in (s for s in r["steps"] if s["iteration"] == 1):
-            line = (
-                f"  {name.ljust(width)}  {s['agent']} {s['role']:8s}  sequences of "
-                f"{s['width']:3d} tokens  {s['seconds']:5.1f} s"
+            agents = ", ".join(
+                f"{a} {role} {s['widths'][a]} tokens" for a, role in s["agents"].items()
             )
+            line = f"  {name.ljust(width)}  {agents}  {s['seconds']:5.1f} s"
             if "peak_live" in s:
                 line += (
                     f"  peak live {s['peak_live'] / GB:.3f} GB "
@@ -408,9 +411,9 @@ def merge(rss: dict, live: dict) -> dict:
     """The RSS process's figures, with the profiled process's live tensors."""
     if "error" in rss or "error" in live:
         return rss if "error" in rss else {**rss, "live_error": live["error"]}
-    steps = {(s["iteration"], s["agent"]): s for s in live["steps"]}
+    steps = {s["iteration"]: s for s in live["steps"]}
     for s in rss["steps"]:
-        other = steps.get((s["iteration"], s["agent"]), {})
+        other = steps.get(s["iteration"], {})
         s |= {k: other[k] for k in ("peak_live", "live_above_start") if k in other}
     return {**rss, "peak_live": live["peak_live"], "live": live}
 

@@ -19,7 +19,6 @@ import torch
 
 from cory_lora.algorithm.cory import Roles, play_episode
 from cory_lora.algorithm.state import TrainerState, seed_everything
-from cory_lora.algorithm.update import train_agent
 from cory_lora.config import recipe_from_dict
 from cory_lora.engine.data import load_prompts
 from cory_lora.engine.model import load_agents, load_tokenizer
@@ -28,6 +27,7 @@ from cory_lora.services import distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.conftest import tiny_recipe_dict
+from tests.helpers import learn_alone
 
 
 def share(generation, rows):
@@ -78,17 +78,10 @@ def main(model_dir: str, data_file: str, out: str, *overrides: str) -> None:
         )
         rows = distributed.my_share(list(range(8)))
         scores = episode.pioneer_rewards + 0.25 * torch.arange(8)  # varied: whitening matters
-        outcome = train_agent(
-            agents,
-            "llm1",
-            state.agents["llm1"],
-            share(episode.pioneer_generation, rows),
-            scores[rows],
-            None,
-            recipe,
-            minibatch_rng,
-        )
-        stats.append(outcome.metrics() | {"kl_coef_after": state.agents["llm1"].kl_ctl.value})
+        mine = replace(episode, generations=[share(episode.pioneer_generation, rows)])
+        agent = state.agent_states["llm1"]
+        outcome = learn_alone(agents, "llm1", recipe, agent, mine, scores[rows], minibatch_rng)
+        stats.append(outcome.metrics() | {"kl_coef_after": state.agent_states["llm1"].kl_ctl.value})
     trainable = {
         n: p.detach().clone()
         for n, p in agents.model.named_parameters()

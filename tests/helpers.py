@@ -103,3 +103,12 @@ def _tensors(agents):
             nested = getattr(state, "state2", None)
             if nested is not None:
                 yield from (t for t in vars(nested).values() if isinstance(t, torch.Tensor))
+
+
+def learn_alone(agents, name, recipe, agent_state, generation_episode, scores, rng):
+    """Agent `name`'s whole step (score, rollout, PPO update, KL coefficient) on its episodes of
+    `generation_episode`, the way the loop runs it, unfused: its outcome."""
+    from cory_lora.algorithm.learner import Learner, learn
+
+    learner = Learner(agents, name, recipe, agent_state, rng)
+    return learn([learner], generation_episode, {name: scores}, "test", fused=False)[name]

@@ -14,13 +14,13 @@ from cory_lora.algorithm import ppo
 from cory_lora.algorithm.cory import Roles, draw_response_length, exchanges_roles_at, roles_at
 from cory_lora.algorithm.elastic import AdapterEMA
 from cory_lora.algorithm.state import new_agent_state
-from cory_lora.algorithm.update import make_rollout, ppo_update, train_agent
+from cory_lora.algorithm.update import make_rollout, ppo_update
 from cory_lora.config import recipe_from_dict
 from cory_lora.engine.model import load_agents
 from cory_lora.errors import ConfigError
 
 from .conftest import tiny_recipe_dict
-from .helpers import episode_of, invoke, read_jsonl, write_recipe
+from .helpers import episode_of, invoke, learn_alone, read_jsonl, write_recipe
 
 
 @pytest.mark.parametrize("estimator", ["full", "k3"])
@@ -44,15 +44,8 @@ def test_kl_controller_follows_the_kl_the_penalty_uses(tiny_recipe, estimator):
     assert not math.isclose(penalty_kl, k1, rel_tol=1e-3)  # the two differ for this estimator
     expected = ppo.KLController(0.2, True, 0.01, 8)
     expected.update(penalty_kl, 8)
-    outcome = train_agent(
-        agents,
-        "llm1",
-        state,
-        episode.pioneer_generation,
-        scores,
-        None,
-        recipe,
-        torch.Generator().manual_seed(0),
+    outcome = learn_alone(
+        agents, "llm1", recipe, state, episode, scores, torch.Generator().manual_seed(0)
     )
     assert math.isclose(outcome.kl_penalty, penalty_kl, rel_tol=1e-6)
     assert math.isclose(outcome.kl, k1, rel_tol=1e-6)
@@ -62,21 +55,22 @@ def test_kl_controller_follows_the_kl_the_penalty_uses(tiny_recipe, estimator):
 def test_response_length_is_drawn_once_per_iteration_for_both_roles(tiny_recipe):
     recipe = tiny_recipe(generation={"max_new_tokens": 6, "length_range": [2, 5], "stop": []})
     drawn = [
-        draw_response_length(recipe, g).generation.max_new_tokens
+        draw_response_length(recipe.generation, g)
         for g in [torch.Generator().manual_seed(s) for s in range(40)]
     ]
     assert set(drawn) == {2, 3, 4}  # [lo, hi): hi is exclusive
     agents = load_agents(recipe)
     generator = torch.Generator().manual_seed(3)
-    this_iteration = draw_response_length(recipe, generator)
-    n = this_iteration.generation.max_new_tokens
+    n = draw_response_length(recipe.generation, generator)
+    generation = recipe.generation.model_copy(update={"max_new_tokens": n})
+    this_iteration = recipe.model_copy(update={"generation": generation})
     episode = episode_of(agents, this_iteration, Roles("llm1", "llm2"), 8)
     for generation in (episode.pioneer_generation, episode.observer_generation):
         assert int(generation.response_mask.sum(1).max()) <= n
     # without a range nothing is drawn: the sampling generator is untouched
     plain = tiny_recipe()
     g = torch.Generator().manual_seed(5)
-    assert draw_response_length(plain, g) is plain
+    assert draw_response_length(plain.generation, g) is None
     assert torch.equal(g.get_state(), torch.Generator().manual_seed(5).get_state())
 
 

@@ -79,7 +79,7 @@ def test_agents_of_other_shapes_share_the_base(tiny_model_dir, arith_file):
             for n, p in agents.model.named_parameters()
             if f".{name}." in n and "lora_A" in n
         )
-        for name in recipe.agents
+        for name in recipe.agent_names
     }
     assert {module for module, _ in shapes["llm1"]} == {"q_proj", "v_proj"}
     assert {module for module, _ in shapes["llm2"]} == {"q_proj"}

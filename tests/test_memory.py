@@ -10,12 +10,12 @@ import torch
 
 from cory_lora.algorithm.cory import play_episode, roles_at
 from cory_lora.algorithm.state import TrainerState
-from cory_lora.algorithm.update import UpdateStats, train_agent
+from cory_lora.algorithm.update import UpdateStats
 from cory_lora.engine.data import load_prompts
 from cory_lora.engine.model import load_agents
 from cory_lora.rewards import load_reward
 
-from .helpers import adapter_state, parameter_bytes
+from .helpers import adapter_state, learn_alone, parameter_bytes
 
 
 def net_allocated(fn, *args) -> tuple[object, int]:
@@ -47,14 +47,14 @@ def test_an_agents_step_leaves_only_its_optimizer_moments(tiny_recipe):
         episode = play_episode(agents, roles, batch, recipe, reward, stopping, state.sampling_rng)
         ramp = torch.linspace(-1, 1, recipe.ppo.batch_size)  # a gradient that is not zero
         for name in agents.names:
-            generation, agent = episode.generation_of(name), state.agents[name]
+            agent = state.agent_states[name]
             outcome, left[iteration, name] = net_allocated(
-                train_agent, agents, name, agent, generation, ramp, None, recipe, rng
+                learn_alone, agents, name, recipe, agent, episode, ramp, rng
             )
             assert isinstance(outcome, UpdateStats)
     # AdamW keeps two moments per trainable tensor (the agent's size in all) and a step counter.
-    moments = {name: optimizer_state_bytes(state.agents[name].optimizer) for name in agents.names}
-    counters = sum(s["step"].nbytes for s in state.agents["llm2"].optimizer.state.values())
+    moments = {n: optimizer_state_bytes(state.agent_states[n].optimizer) for n in agents.names}
+    counters = sum(s["step"].nbytes for s in state.agent_states["llm2"].optimizer.state.values())
     assert moments["llm1"] == moments["llm2"] == 2 * one_agent + counters
     # First step: the moments and nothing else (no graph, activation, gradient or copy kept);
     # the second agent's first step costs the same; later steps leave nothing.
@@ -96,10 +96,8 @@ def test_by_default_the_observers_step_peaks_no_higher_than_the_pioneers(tiny_re
         episode = play_episode(agents, roles, batch, recipe, reward, stopping, state.sampling_rng)
         ramp = torch.linspace(-1, 1, recipe.ppo.batch_size)
         for name in (roles.pioneer, roles.observer):
-            args = (agents, name, state.agents[name], episode.generation_of(name), ramp, None)
-            _, peaks[cap, name] = peak_above_start(
-                train_agent, *args, recipe, state.minibatch_rng, episode.pioneer_width
-            )
+            args = (agents, name, recipe, state.agent_states[name], episode, ramp)
+            _, peaks[cap, name] = peak_above_start(learn_alone, *args, state.minibatch_rng)
         observer_width = episode.observer_generation.prompt_ids.shape[1]
         assert observer_width > 1.5 * episode.pioneer_width - 12  # the observer's are wider
     # Live memory at the step's peak: the weights and adapters, plus what the step holds.

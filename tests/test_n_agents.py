@@ -89,8 +89,8 @@ def test_each_position_reads_the_earlier_answers(tiny_recipe):
 
 
 def test_recipe_checks(tiny_recipe):
-    assert tiny_recipe(cory={"agents": 3}).agents == THREE
-    assert tiny_recipe(cory={"agents": 3}, train={"algorithm": "ppo"}).agents == ("llm1",)
+    assert tiny_recipe(cory={"agents": 3}).agent_names == THREE
+    assert tiny_recipe(cory={"agents": 3}, train={"algorithm": "ppo"}).agent_names == ("llm1",)
     with pytest.raises(ConfigError, match=r"cory.agents = 1: must be >= 2"):
         tiny_recipe(cory={"agents": 1})
     with pytest.raises(ConfigError, match=r"must contain \{pioneer\} or \{answers\}"):

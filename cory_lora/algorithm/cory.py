@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cory_lora.config import Recipe
+from cory_lora.config import GenerationConfig, Recipe
 from cory_lora.engine.data import PromptSet, encode_prompts, format_prompt, render
 from cory_lora.engine.generation import Generation, Stopping, generate
 from cory_lora.engine.model import Agents
@@ -82,18 +82,16 @@ def exchanges_roles_at(iteration: int, swap_every: int) -> bool:
     return swap_every > 0 and iteration > 0 and iteration % swap_every == 0
 
 
-def draw_response_length(recipe: Recipe, generator: torch.Generator) -> Recipe:
-    """The recipe for one iteration: with generation.length_range = [lo, hi], at most n new
-    tokens, n drawn from [lo, hi) once for the whole batch and both roles (the paper's IMDB
-    code); otherwise the recipe itself (nothing is drawn, the generator is untouched). Under
+def draw_response_length(generation: GenerationConfig, generator: torch.Generator) -> int | None:
+    """This iteration's cap on new tokens: with generation.length_range = [lo, hi], n drawn from
+    [lo, hi) once for the whole batch and both roles (the paper's IMDB code); otherwise None
+    (nothing is drawn, the generator is untouched: generation.max_new_tokens holds). Under
     torchrun every rank draws (keeping the generators in step) and rank 0's draw holds."""
-    if not recipe.generation.length_range:
-        return recipe
-    lo, hi = recipe.generation.length_range
+    if not generation.length_range:
+        return None
+    lo, hi = generation.length_range
     n = int(torch.randint(lo, hi, (1,), generator=generator, device=generator.device))
-    n = distributed.from_main(n)
-    generation = recipe.generation.model_copy(update={"max_new_tokens": n})
-    return recipe.model_copy(update={"generation": generation})
+    return distributed.from_main(n)
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ class TrainerState:
 
     iteration: int
     order: PromptOrder
-    agents: dict[str, AgentState]
+    agent_states: dict[str, AgentState]  # by agent name
     sampling_rng: torch.Generator
     minibatch_rng: torch.Generator
 
@@ -135,7 +135,7 @@ class TrainerState:
         return cls(
             iteration=0,
             order=PromptOrder(n_prompts, seed),
-            agents={name: new_agent_state(agents, name, recipe) for name in agents.names},
+            agent_states={name: new_agent_state(agents, name, recipe) for name in agents.names},
             sampling_rng=torch.Generator(agents.device).manual_seed(sampling_seed(seed)),
             minibatch_rng=torch.Generator().manual_seed(seed + 1),
         )
@@ -158,7 +158,7 @@ class TrainerState:
                     "bad_streak": agent.bad_streak,
                     "skipped": agent.skipped,
                 }
-                for name, agent in self.agents.items()
+                for name, agent in self.agent_states.items()
             },
             "python_random": [version, list(internal), gauss],
             "numpy_random": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
@@ -172,14 +172,14 @@ class TrainerState:
         problem = record_problem(record)
         if problem is not None:
             return problem
-        if set(record["agents"]) != set(self.agents):
+        if set(record["agents"]) != set(self.agent_states):
             return f"written for agents {', '.join(sorted(record['agents']))}"
         if record["order"]["position"] > self.order.n:
             return f"order.position {record['order']['position']} is past the prompts"
         return None
 
     def load_record(self, record: dict) -> None:
-        for name, agent in self.agents.items():
+        for name, agent in self.agent_states.items():
             saved = record["agents"][name]
             agent.kl_ctl.load_state_dict(saved["kl_ctl"])
             if agent.score_moments is not None and saved["score_moments"] is not None:

@@ -1,10 +1,17 @@
-"""One agent's side of an iteration: turn its episodes into a scored `Rollout` (logprobs,
-values, reference logprobs, KL, advantages), then run PPO epochs over it with that agent's own
-optimizer, and move its KL coefficient. `train_agent` is the whole step, behind one call.
+"""The model-facing half of learning, for one agent or several in one pass: score episodes into
+`Rollout`s (logprobs, values, reference logprobs, KL, advantages), then PPO epochs over them,
+each agent with its own optimizer. `learner.Learner` holds an agent's fixed parts and calls
+these; the maths itself is in ppo.py.
 
-Everything an agent learns with stays with its adapter name (`state.AgentState`), so a role
-exchange moves nothing: the optimizer moments, KL coefficient and score statistics follow the
-adapter.
+Fused passes (`train.fused`): every agent's rows and their reference rows go through the base
+in one no-grad forward (`score`), and at each minibatch step every agent's micro-batch goes
+through one forward and backward (`run_updates`), each row through its own adapter or none
+(`engine.lora.row_blocks`, contiguous blocks, no gather). Each agent's loss is computed on its
+own rows only and nothing in a causal LM mixes rows, so the summed loss's gradient on an
+adapter is exactly that agent's own; clipping, the optimizer step and the skip decision stay per
+agent. Rows of different widths (the observer reads the pioneer's answer) are left-padded to
+the widest: positions come from the attention mask, so a padded row computes what it did
+alone, up to float rounding. Generation stays sequential (the observer reads the pioneer).
 
 Under torchrun each rank holds its share of the episodes (distributed.py): the score moments,
 advantage whitening, token counts, KL and every statistic returned are global, the gradients are
@@ -16,13 +23,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from cory_lora.algorithm import ppo
 from cory_lora.algorithm.state import AgentState
-from cory_lora.config import PPOConfig, Recipe
+from cory_lora.config import PPOConfig
 from cory_lora.engine.generation import Generation
 from cory_lora.engine.model import Agents
 from cory_lora.services import distributed, faults
@@ -96,82 +103,6 @@ class Skipped:
         return known | {"update_skipped": 1} | dict.fromkeys(LOSS_KEYS)
 
 
-def train_agent(
-    agents: Agents,
-    name: str,
-    state: AgentState,
-    generation: Generation,
-    scores: torch.Tensor,
-    reward_problem: str | None,
-    recipe: Recipe,
-    generator: torch.Generator,
-    pioneer_width: int | None = None,
-) -> UpdateStats | Skipped:
-    """Agent `name`'s whole step: score its episodes into a rollout, update it with PPO, then
-    move its KL coefficient with the rollout's KL (beta changes after the iteration that used
-    it). NaN/inf anywhere (rewards, rollout, loss or gradient) skips the update instead,
-    leaving the agent exactly as it was; `state` counts the skips. With Elastic Reset the
-    adapter's EMA follows each update.
-
-    generation: the agent's episodes; scores [B]: its score per episode (collective reward);
-    reward_problem: why the scores cannot be learned from (Episode.reward_problem), or None;
-    pioneer_width: the width (prompt + response) of this iteration's pioneer sequences, which
-    sets ppo.micro_batch_tokens = "auto" (default: this agent's own).
-    """
-    width = generation.prompt_ids.shape[1] + generation.response_ids.shape[1]
-    cfg = recipe.ppo.with_token_cap(pioneer_width or width)
-    temperature = recipe.generation.scoring_temperature
-    group_size = recipe.generation.samples_per_query
-    outcome = _update_or_skip(
-        agents,
-        name,
-        state,
-        generation,
-        scores,
-        reward_problem,
-        cfg,
-        temperature,
-        generator,
-        group_size,
-    )
-    skipped = isinstance(outcome, Skipped)
-    state.bad_streak = state.bad_streak + 1 if skipped else 0
-    state.skipped += skipped
-    return outcome
-
-
-def _update_or_skip(
-    agents, name, state, generation, scores, reward_problem, cfg, temperature, generator, group_size
-):
-    kl_coef = state.kl_ctl.value
-    if distributed.any_rank(reward_problem is not None):
-        return Skipped(reward_problem or "NaN/inf rewards on another process", None, None, kl_coef)
-    rollout = make_rollout(agents, name, generation, scores, state, cfg, temperature, group_size)
-    kl = distributed.global_mean(rollout.sequence_kl)
-    # The controller follows the KL the penalty uses (k1, k3 or full), summed per episode, as
-    # TRL 0.x's does; `kl` (always k1) is what we report, so runs compare whatever the penalty.
-    kl_penalty = distributed.global_mean(rollout.kl.sum(1))
-    problem = first_non_finite(rollout)
-    if distributed.any_rank(problem is not None):
-        where = problem or "rollout on another process"
-        return Skipped(f"non-finite {where}", kl, kl_penalty, kl_coef)
-    params = agents.trainable_parameters(name)
-    saved_params = [p.detach().clone() for p in params]
-    saved_optimizer = copy.deepcopy(state.optimizer.state_dict())
-    try:
-        losses = ppo_update(agents, name, state, rollout, cfg, temperature, generator)
-    except NonFiniteUpdate as e:  # put the agent back exactly as it was before the update
-        with torch.no_grad():
-            for p, saved in zip(params, saved_params, strict=True):
-                p.copy_(saved)
-        state.optimizer.load_state_dict(saved_optimizer)
-        return Skipped(str(e), kl, kl_penalty, kl_coef)
-    state.kl_ctl.update(kl_penalty, len(scores) * distributed.world_size())
-    if state.ema is not None:
-        state.ema.update()
-    return UpdateStats(kl, kl_penalty, kl_coef, **losses)
-
-
 def _my_rows(global_rows: torch.Tensor, rows_here: int) -> torch.Tensor:
     """The rows of a minibatch (global indices) that this rank holds, as its local indices;
     rank r holds global rows [r * rows_here, (r + 1) * rows_here)."""
@@ -205,8 +136,8 @@ def sequences(gen: Generation) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _agent_and_reference(agents: Agents, name: str, gen: Generation, micro_batch_size: int):
-    """Per micro-batch of episodes: (rows, agent logits [b, T+1, V], agent hidden [b, T+1, H],
-    reference logits [b, T+1, V]) over the response positions (T = response width)."""
+    """Per micro-batch of episodes, one forward each: (rows, agent logits [b, T+1, V], agent
+    hidden [b, T+1, H], reference logits [b, T+1, V]) over the response positions."""
     input_ids, attention_mask = sequences(gen)
     T = gen.response_ids.shape[1]
     for rows in torch.arange(len(input_ids)).split(micro_batch_size):
@@ -216,6 +147,109 @@ def _agent_and_reference(agents: Agents, name: str, gen: Generation, micro_batch
         with agents.reference():
             ref_logits, _ = agents.forward(ids, attn, T + 1)
         yield rows, logits, hidden, ref_logits
+
+
+def padded_batch(
+    parts: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(input_ids [b_k, L_k], attention_mask [b_k, L_k]), ...] -> one batch [sum b_k, max L_k],
+    each part left-padded (pad tokens masked out; positions come from the mask)."""
+    width = max(ids.shape[1] for ids, _ in parts)
+    ids = [torch.nn.functional.pad(i, (width - i.shape[1], 0), value=pad_id) for i, _ in parts]
+    masks = [torch.nn.functional.pad(m, (width - m.shape[1], 0), value=0) for _, m in parts]
+    return torch.cat(ids), torch.cat(masks)
+
+
+def forward_blocks(
+    agents: Agents, parts: list[tuple[str | None, torch.Tensor, torch.Tensor, int]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward for several blocks of rows, each through its own adapter (None: the
+    reference). parts: [(adapter, input_ids [b, L], attention_mask [b, L], n_keep), ...] ->
+    per part (logits [b, n_keep, V], hidden [b, n_keep, H])."""
+    ids, mask = padded_batch([(i, m) for _, i, m, _ in parts], agents.tokenizer.pad_token_id)
+    keep = max(n for *_, n in parts)
+    sizes = [(adapter, len(i)) for adapter, i, _, _ in parts]
+    with agents.row_blocks(sizes):
+        logits, hidden = agents.forward(ids, mask, keep)
+    out, start = [], 0
+    for _, i, _, n in parts:
+        stop = start + len(i)
+        out.append((logits[start:stop, keep - n :], hidden[start:stop, keep - n :]))
+        start = stop
+    return out
+
+
+@dataclass(frozen=True)
+class ScoringJob:
+    """What scoring needs of one agent's episodes."""
+
+    name: str
+    generation: Generation
+    temperature: float
+    kl_estimator: str
+    critic: bool  # has a value head
+
+
+@dataclass(frozen=True)
+class TokenStatistics:
+    """Per response token of an agent's episodes, unmasked, each [B, T]."""
+
+    logprobs: torch.Tensor  # under the agent
+    ref_logprobs: torch.Tensor  # under the reference
+    values: torch.Tensor  # the agent's value head (0: critic-free)
+    kl: torch.Tensor  # the KL penalty term (the recipe's estimator)
+
+
+def _statistics(agents: Agents, job: ScoringJob, resp, logits, hidden, ref_logits):
+    logprobs = _logprobs(logits, resp, job.temperature)
+    ref_logprobs = _logprobs(ref_logits, resp, job.temperature)
+    critic_free = torch.zeros_like(logprobs)
+    values = agents.values(job.name, hidden[:, :-1]) if job.critic else critic_free
+    if job.kl_estimator == "full":
+        t = job.temperature
+        kl = ppo.full_kl(logits[:, :-1] / t, ref_logits[:, :-1] / t)
+    else:
+        kl = ppo.kl_per_token(logprobs, ref_logprobs, job.kl_estimator)
+    return logprobs, ref_logprobs, values, kl
+
+
+@torch.no_grad()
+def score(
+    agents: Agents, jobs: list[ScoringJob], micro_batch_size: int, fused: bool
+) -> dict[str, TokenStatistics]:
+    """Each job's token statistics, micro_batch_size episodes of an agent at a time: its
+    forward then the reference's (fused: every job's micro-batch and its reference rows in one
+    forward).
+
+    Always micro_batch_size rows per agent and block, whatever ppo.micro_batch_tokens: without
+    gradients nothing is kept across layers, and the logits are taken at the response positions
+    only, so a wider prompt (the observer's) adds little to the peak, while fewer rows per
+    forward cost time (on CPU a forward's fixed cost dominates at these sizes)."""
+    parts: dict[str, list[tuple]] = {job.name: [] for job in jobs}
+    if not fused:
+        for job in jobs:
+            for rows, logits, hidden, ref in _agent_and_reference(
+                agents, job.name, job.generation, micro_batch_size
+            ):
+                resp = job.generation.response_ids[rows]
+                parts[job.name].append(_statistics(agents, job, resp, logits, hidden, ref))
+    else:
+        n = max(len(job.generation.response_ids) for job in jobs)
+        for rows in torch.arange(n).split(micro_batch_size):
+            blocks = []
+            for job in jobs:
+                ids, mask = (t[rows] for t in sequences(job.generation))
+                keep = job.generation.response_ids.shape[1] + 1
+                blocks += [(job.name, ids, mask, keep), (None, ids, mask, keep)]
+            outputs = forward_blocks(agents, blocks)
+            for k, job in enumerate(jobs):
+                (logits, hidden), (ref, _) = outputs[2 * k], outputs[2 * k + 1]
+                resp = job.generation.response_ids[rows]
+                parts[job.name].append(_statistics(agents, job, resp, logits, hidden, ref))
+    return {
+        name: TokenStatistics(*(torch.cat(column) for column in zip(*chunks, strict=True)))
+        for name, chunks in parts.items()
+    }
 
 
 @torch.no_grad()
@@ -232,26 +266,22 @@ def sequence_kl(
 
 
 @torch.no_grad()
-def make_rollout(
-    agents: Agents,
-    name: str,
+def rollout_from(
+    statistics: TokenStatistics,
     gen: Generation,
     raw_scores: torch.Tensor,
     state: AgentState,
     cfg: PPOConfig,
-    temperature: float,
     group_size: int = 1,
 ) -> Rollout:
-    """Agent `name`'s episodes as a Rollout: logprobs, values, reference logprobs, per-token
-    KL penalty and advantages (GAE, or critic-free over groups of `group_size` consecutive
-    episodes answering the same query).
+    """An agent's scored episodes as a Rollout: per-token KL penalty and advantages (GAE, or
+    critic-free over groups of `group_size` consecutive episodes answering the same query).
 
-    raw_scores [B]: the agent's score per episode (its collective reward in CORY).
-    """
+    raw_scores [B]: the agent's score per episode (its collective reward in CORY)."""
     input_ids, attention_mask = sequences(gen)
     response_ids, mask = gen.response_ids, gen.response_mask.float()
-    logprobs, ref_logprobs, values, kl = _token_statistics(agents, name, gen, cfg, temperature)
-    values = values * mask
+    logprobs, ref_logprobs, kl = statistics.logprobs, statistics.ref_logprobs, statistics.kl
+    values = statistics.values * mask
     moments = state.score_moments if cfg.score_scaling else None
     raw_scores = raw_scores.to(mask.device)
     scores = ppo.normalise_scores(
@@ -280,40 +310,21 @@ def make_rollout(
     )
 
 
-def _token_statistics(
-    agents: Agents, name: str, gen: Generation, cfg: PPOConfig, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per response token of agent `name`'s episodes, unmasked, each [B, T]: its logprobs, the
-    reference's logprobs, its values (0: critic-free) and the KL penalty term (the recipe's
-    estimator), scored one micro-batch of episodes at a time.
-
-    Always micro_batch_size rows, whatever ppo.micro_batch_tokens: without gradients nothing is
-    kept across layers, and the logits are taken at the response positions only, so a wider
-    prompt (the observer's) adds little to the peak, while fewer rows per forward cost time
-    (on CPU a forward's fixed cost dominates at these sizes)."""
-    critic = cfg.advantage == "gae"
-    parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref": [], "values": [], "kl": []}
-    for rows, logits, hidden, ref_logits in _agent_and_reference(
-        agents, name, gen, cfg.micro_batch_size
-    ):
-        resp = gen.response_ids[rows]
-        logprobs = _logprobs(logits, resp, temperature)
-        ref_logprobs = _logprobs(ref_logits, resp, temperature)
-        parts["logprobs"].append(logprobs)
-        parts["ref"].append(ref_logprobs)
-        if critic:
-            parts["values"].append(agents.values(name, hidden[:, :-1]))
-        else:
-            parts["values"].append(torch.zeros_like(logprobs))
-        if cfg.kl_estimator == "full":
-            kl = ppo.full_kl(logits[:, :-1] / temperature, ref_logits[:, :-1] / temperature)
-        else:
-            kl = ppo.kl_per_token(logprobs, ref_logprobs, cfg.kl_estimator)
-        parts["kl"].append(kl)
-    logprobs, ref_logprobs, values, kl = (
-        torch.cat(parts[k]) for k in ("logprobs", "ref", "values", "kl")
-    )
-    return logprobs, ref_logprobs, values, kl
+def make_rollout(
+    agents: Agents,
+    name: str,
+    gen: Generation,
+    raw_scores: torch.Tensor,
+    state: AgentState,
+    cfg: PPOConfig,
+    temperature: float,
+    group_size: int = 1,
+) -> Rollout:
+    """Agent `name`'s episodes scored on their own and made a Rollout (`score`, then
+    `rollout_from`)."""
+    job = ScoringJob(name, gen, temperature, cfg.kl_estimator, cfg.advantage == "gae")
+    statistics = score(agents, [job], cfg.micro_batch_size, fused=False)[name]
+    return rollout_from(statistics, gen, raw_scores, state, cfg, group_size)
 
 
 def _critic_free_advantages(scores, kl, mask, kl_coef: float, cfg: PPOConfig, group_size: int):
@@ -342,88 +353,147 @@ SUM_KEYS = (
 )
 
 
-def ppo_update(
-    agents: Agents,
-    name: str,
-    state: AgentState,
-    rollout: Rollout,
-    cfg: PPOConfig,
-    temperature: float,
-    generator: torch.Generator,
-) -> dict[str, float]:
-    """cfg.epochs passes over the rollout in shuffled minibatches; one optimizer step each.
-    Returns the mean losses and diagnostics (LOSS_KEYS); raises NonFiniteUpdate on NaN/inf.
+@dataclass
+class AgentUpdate:
+    """One agent's PPO update in progress: its rollout, settings, the minibatches of every
+    epoch (drawn up front), its running sums, and why it failed (None while it has not)."""
 
-    Under torchrun every rank draws the same permutation of the global batch, and each rank
-    works on the rows of each minibatch it holds (`_my_rows`), so a minibatch holds the same
-    episodes whatever the number of ranks."""
-    params = agents.trainable_parameters(name)
-    rows_here = len(rollout.input_ids)
-    # Statistics stay on the device until the end: no CPU-GPU sync per micro-batch.
-    sums = {k: torch.zeros((), device=rollout.mask.device) for k in SUM_KEYS}
-    steps = micro_batches = 0
+    name: str
+    state: AgentState
+    rollout: Rollout
+    cfg: PPOConfig  # micro_batch_tokens already a number (`PPOConfig.with_token_cap`)
+    temperature: float
+    params: list[torch.nn.Parameter]
+    minibatches: list[torch.Tensor]  # this rank's local rows of each optimizer step
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0
+    micro_batches: int = 0
+    failure: str | None = None
+
+    @classmethod
+    def start(cls, name, state, rollout, cfg, temperature, params, generator) -> AgentUpdate:
+        """Under torchrun every rank draws the same permutation of the global batch and works
+        on the rows of each minibatch it holds (`_my_rows`), so a minibatch holds the same
+        episodes whatever the number of ranks."""
+        rows_here = len(rollout.input_ids)
+        minibatches = []
+        for _ in range(cfg.epochs):
+            order = torch.randperm(rows_here * distributed.world_size(), generator=generator)
+            minibatches += [_my_rows(m, rows_here) for m in order.split(cfg.minibatch_size)]
+        sums = {k: torch.zeros((), device=rollout.mask.device) for k in SUM_KEYS}
+        return cls(name, state, rollout, cfg, temperature, params, minibatches, sums)
+
+    @property
+    def width(self) -> int:
+        return self.rollout.input_ids.shape[1]
+
+    def losses(self) -> dict[str, float]:
+        return _mean_losses(
+            self.sums, self.steps, self.micro_batches, critic=self.cfg.advantage == "gae"
+        )
+
+
+def run_updates(agents: Agents, updates: list[AgentUpdate], fused: bool) -> None:
+    """Every update's optimizer steps (cfg.epochs passes over its rollout in minibatches), one
+    agent at a time or, fused, all agents' k-th steps in one forward and backward each. An
+    update whose loss or gradient turns NaN/inf stops there with `failure` set (the caller
+    puts the agent back); the others go on."""
+    groups = [updates] if fused else [[u] for u in updates]
     agents.model.train()  # LoRA dropout, if any, acts in updates only; base dropout is off
     try:
-        with agents.use(name):
-            for _ in range(cfg.epochs):
-                order = torch.randperm(rows_here * distributed.world_size(), generator=generator)
-                for minibatch in order.split(cfg.minibatch_size):
-                    minibatch = _my_rows(minibatch, rows_here)
-                    micro_batches += _minibatch_step(
-                        agents, name, state, rollout, minibatch, params, cfg, temperature, sums
-                    )
-                    steps += 1
+        for group in groups:
+            with agents.training([u.name for u in group]):
+                for k in range(len(group[0].minibatches)):
+                    alive = [u for u in group if u.failure is None]
+                    if not alive:
+                        break
+                    _minibatch_step(agents, alive, k)
                     faults.maybe_die("update")
     finally:
         agents.model.eval()
-        state.optimizer.zero_grad(set_to_none=True)  # frees gradient memory before generation
-    return _mean_losses(sums, steps, micro_batches, critic=cfg.advantage == "gae")
+        for u in updates:
+            u.state.optimizer.zero_grad(set_to_none=True)  # frees gradients before generation
 
 
-def _minibatch_step(
-    agents: Agents,
-    name: str,
-    state: AgentState,
-    rollout: Rollout,
-    minibatch: torch.Tensor,
-    params: list[torch.nn.Parameter],
-    cfg: PPOConfig,
-    temperature: float,
-    sums: dict[str, torch.Tensor],
-) -> int:
-    """One optimizer step on the rollout rows `minibatch` (this rank's local indices), their
-    gradients accumulated one micro-batch at a time and summed across ranks; adds its
-    statistics to `sums`. Returns the number of micro-batches it ran; raises NonFiniteUpdate
-    when the gradient norm is NaN/inf (the optimizer has not stepped then)."""
-    n_tokens = distributed.all_sum(rollout.mask[minibatch].sum()).clamp(min=1)
-    state.optimizer.zero_grad(set_to_none=True)
-    micro_batches = 0
-    for rows in minibatch.split(cfg.micro_batch_rows(rollout.input_ids.shape[1])):
-        rows = rows.to(rollout.mask.device)
-        micro = micro_batch_loss(
-            agents, name, rollout, rows, n_tokens, cfg, temperature, state.kl_ctl.value
-        )
-        if micro.skipped is not None:
-            sums["skips"] += micro.skipped
-        micro.loss.backward()
-        micro_batches += 1
-        with torch.no_grad():
-            entropy = ppo.entropy(micro.logits[:, :-1])
-            sums["entropy"] += (entropy * micro.mask).sum()
-            sums["policy"] += micro.policy.detach()
-            sums["value"] += micro.value.detach()
-            sums["kl"] += micro.kl.detach()
-            sums["clipped"] += micro.clipped_tokens
-            sums["approx_kl"] += micro.approx_kl_sum
-    distributed.sum_gradients(params)
-    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    if not torch.isfinite(norm):  # one sync per optimizer step
-        raise NonFiniteUpdate("non-finite loss or gradient")
-    sums["grad_norm"] += norm
-    sums["tokens"] += n_tokens
-    state.optimizer.step()
-    return micro_batches
+def _minibatch_step(agents: Agents, group: list[AgentUpdate], k: int) -> None:
+    """Optimizer step k of each update in `group`: gradients accumulated one micro-batch at a
+    time (fused: every agent's micro-batch in one forward), summed across ranks, clipped and
+    stepped per agent. A NaN/inf gradient norm sets that agent's `failure` (no step)."""
+    rows = {u.name: u.minibatches[k] for u in group}
+    n_tokens = {
+        u.name: distributed.all_sum(u.rollout.mask[rows[u.name]].sum()).clamp(min=1) for u in group
+    }
+    micro = _micro_rows(group)
+    splits = {u.name: rows[u.name].split(micro) for u in group}
+    for u in group:
+        u.state.optimizer.zero_grad(set_to_none=True)
+    for m in range(max(len(s) for s in splits.values())):
+        members = [(u, splits[u.name][m]) for u in group if m < len(splits[u.name])]
+        total = None
+        for u, micro_loss in _micro_batch_losses(agents, members, n_tokens):
+            total = micro_loss.loss if total is None else total + micro_loss.loss
+            u.micro_batches += 1
+            _add_statistics(u.sums, micro_loss)
+        total.backward()
+    for u in group:
+        distributed.sum_gradients(u.params)
+        max_norm = u.cfg.max_grad_norm if u.cfg.max_grad_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(u.params, max_norm)
+        if not torch.isfinite(norm):  # one sync per optimizer step
+            u.failure = "non-finite loss or gradient"
+            continue
+        u.sums["grad_norm"] += norm
+        u.sums["tokens"] += n_tokens[u.name]
+        u.state.optimizer.step()
+        u.steps += 1
+
+
+def _micro_rows(group: list[AgentUpdate]) -> int:
+    """Rows of each agent per micro-batch: alone, as ppo.micro_batch_tokens allows at its width;
+    fused, the widest member's share of that cap, so a fused micro-batch holds no more tokens
+    than one agent's alone (memory as in separate passes)."""
+    cfg = group[0].cfg
+    if len(group) == 1:
+        return cfg.micro_batch_rows(group[0].width)
+    return max(1, cfg.micro_batch_rows(max(u.width for u in group)) // len(group))
+
+
+def _micro_batch_losses(agents: Agents, members: list[tuple[AgentUpdate, torch.Tensor]], n_tokens):
+    """Each member's micro-batch loss on its rows, from one forward (one member: through the
+    active adapter, as a separate pass always ran)."""
+    device = members[0][0].rollout.mask.device
+    members = [(u, rows.to(device)) for u, rows in members]
+    if len(members) == 1:
+        u, rows = members[0]  # its adapter is the active one (`Agents.training`)
+        T = u.rollout.response_ids.shape[1]
+        outputs = [agents.forward(u.rollout.input_ids[rows], u.rollout.attention_mask[rows], T + 1)]
+    else:
+        blocks = [
+            (
+                u.name,
+                u.rollout.input_ids[rows],
+                u.rollout.attention_mask[rows],
+                u.rollout.response_ids.shape[1] + 1,
+            )
+            for u, rows in members
+        ]
+        outputs = forward_blocks(agents, blocks)
+    for (u, rows), (logits, hidden) in zip(members, outputs, strict=True):
+        values = agents.values(u.name, hidden[:, :-1]) if u.cfg.advantage == "gae" else None
+        yield u, micro_batch_loss(u, rows, logits, values, n_tokens[u.name])
+
+
+def _add_statistics(sums: dict[str, torch.Tensor], micro: MicroBatchLoss) -> None:
+    if micro.skipped is not None:
+        sums["skips"] += micro.skipped
+    with torch.no_grad():
+        entropy = ppo.entropy(micro.logits[:, :-1])
+        sums["entropy"] += (entropy * micro.mask).sum()
+        sums["policy"] += micro.policy.detach()
+        sums["value"] += micro.value.detach()
+        sums["kl"] += micro.kl.detach()
+        sums["clipped"] += micro.clipped_tokens
+        sums["approx_kl"] += micro.approx_kl_sum
 
 
 @dataclass(frozen=True)
@@ -443,24 +513,20 @@ class MicroBatchLoss:
 
 
 def micro_batch_loss(
-    agents: Agents,
-    name: str,
-    rollout: Rollout,
+    u: AgentUpdate,
     rows: torch.Tensor,
+    logits: torch.Tensor,
+    values: torch.Tensor | None,
     n_tokens: torch.Tensor,
-    cfg: PPOConfig,
-    temperature: float,
-    beta: float,
 ) -> MicroBatchLoss:
-    """The PPO loss of the rollout's episodes `rows` ([b] local indices) under agent `name` as
-    it is now (the active adapter): a forward pass, then the clipped policy loss, the value
-    loss (GAE) and the KL term (ppo.kl_in = "loss"), each summed over tokens and divided by
-    n_tokens, the minibatch's response tokens on all ranks (a scalar tensor). beta: the
-    rollout's KL coefficient."""
-    T = rollout.response_ids.shape[1]
-    logits, hidden = agents.forward(rollout.input_ids[rows], rollout.attention_mask[rows], T + 1)
+    """The PPO loss of the rollout's episodes `rows` ([b] local indices) from the agent's
+    logits [b, T+1, V] and values [b, T] (None: critic-free) as it is now: the clipped policy
+    loss, the value loss (GAE) and the KL term (ppo.kl_in = "loss"), each summed over tokens
+    and divided by n_tokens, the minibatch's response tokens on all ranks (a scalar tensor)."""
+    rollout, cfg = u.rollout, u.cfg
+    beta = u.state.kl_ctl.value  # the rollout's KL coefficient (it moves after the update)
     mask = rollout.mask[rows]
-    logprobs = _logprobs(logits, rollout.response_ids[rows], temperature)
+    logprobs = _logprobs(logits, rollout.response_ids[rows], u.temperature)
     pg = ppo.policy_loss(
         logprobs,
         rollout.logprobs[rows],
@@ -470,9 +536,9 @@ def micro_batch_loss(
         n_tokens,
     )
     vf = torch.zeros((), device=mask.device)
-    if cfg.advantage == "gae":
+    if values is not None:
         vf = ppo.value_loss(
-            agents.values(name, hidden[:, :-1]),
+            values,
             rollout.values[rows],
             rollout.returns[rows],
             mask,
@@ -494,6 +560,41 @@ def micro_batch_loss(
     return MicroBatchLoss(
         loss, pg_loss, vf, kl_term, skipped, pg.clipped_tokens, pg.approx_kl_sum, logits, mask
     )
+
+
+def ppo_update(
+    agents: Agents,
+    name: str,
+    state: AgentState,
+    rollout: Rollout,
+    cfg: PPOConfig,
+    temperature: float,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Agent `name`'s PPO epochs over `rollout` alone. Returns the mean losses and diagnostics
+    (LOSS_KEYS); raises NonFiniteUpdate on NaN/inf (the optimizer has not stepped then, but
+    earlier steps stand: `Learner.update` puts the agent back)."""
+    params = agents.trainable_parameters(name)
+    update = AgentUpdate.start(name, state, rollout, cfg, temperature, params, generator)
+    run_updates(agents, [update], fused=False)
+    if update.failure is not None:
+        raise NonFiniteUpdate(update.failure)
+    return update.losses()
+
+
+class Snapshot:
+    """An agent's parameters and optimizer state, to put it back after a failed update."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer):
+        self.params, self.optimizer = params, optimizer
+        self.saved_params = [p.detach().clone() for p in params]
+        self.saved_optimizer = copy.deepcopy(optimizer.state_dict())
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, saved in zip(self.params, self.saved_params, strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(self.saved_optimizer)
 
 
 def _mean_losses(

@@ -49,8 +49,8 @@ def required(r: Recipe) -> list[Problem]:
 def agent_tables(r: Recipe) -> list[Problem]:
     out = []
     for override in r.agent_overrides:
-        if override.name not in r.agents:
-            trained = ", ".join(r.agents)
+        if override.name not in r.agent_names:
+            trained = ", ".join(r.agent_names)
             text = f"the recipe trains {trained} (cory.agents, train.algorithm)"
             out.append(problem("agents", f"[[agents]] {override.name}: {text}"))
         elif not r.lora_of(override.name).target_modules:

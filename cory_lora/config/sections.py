@@ -297,6 +297,12 @@ class TrainConfig(Section):
     """`cory` (two agents) or `ppo` (llm1 alone: the baseline)."""
     iterations: Int = Field(100, gt=0)
     """Training iterations (one batch of queries each)."""
+    fused: Bool | Literal["auto"] = "auto"
+    """Every agent and the reference in one pass: scoring sends all agents' rows and their
+    reference rows through one forward, the update every agent's micro-batch through one forward
+    and backward (each row through its own adapter; the same maths up to float rounding).
+    `auto`: on a GPU, where a small model's forward is launch-bound; off on a CPU, where it
+    measured no faster (docs/measured.md)."""
     seed: Int = Field(0, ge=0, le=2**32 - 1)
     """Seed of data order, sampling and initialisation (0 to 2^32 - 1)."""
     output_dir: Str = ""
@@ -378,7 +384,7 @@ class Recipe(BaseModel):
     agent_overrides: tuple[AgentOverride, ...] = ()  # [[agents]]: heterogeneous agents
 
     @property
-    def agents(self) -> tuple[str, ...]:
+    def agent_names(self) -> tuple[str, ...]:
         """Adapter names this recipe trains."""
         n = self.cory.agents if self.train.algorithm == "cory" else 1
         return tuple(f"llm{k}" for k in range(1, n + 1))

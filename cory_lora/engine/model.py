@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cory_lora.config import ModelConfig, Recipe
+from cory_lora.engine import lora
 from cory_lora.engine.generation import Stopping, contiguous_head_input, position_ids
 from cory_lora.errors import ConfigError, Problem, UserError, first_line
 from cory_lora.services import distributed, fetch
@@ -68,6 +69,32 @@ class Agents:
         """Run the block as the frozen reference model: the base with every adapter disabled."""
         with self.model.disable_adapter():
             yield
+
+    @contextmanager
+    def row_blocks(self, sizes: list[tuple[str | None, int]]) -> Iterator[None]:
+        """Forwards in the block send consecutive blocks of rows through their own adapters:
+        sizes [(name, rows), ...] in batch order, name None (or BASE) for the reference."""
+        named = [(None if name == BASE else name, rows) for name, rows in sizes]
+        with lora.row_blocks(lora.blocks_of(named)):
+            yield
+
+    @contextmanager
+    def training(self, names: list[str]) -> Iterator[None]:
+        """Run the block with agents `names` trainable: one agent, its adapter active
+        (`use`); several, every one's LoRA requires gradients and forwards choose adapters by
+        `row_blocks`."""
+        if len(names) == 1:
+            with self.use(names[0]):
+                yield
+            return
+        previous = self.model.active_adapter
+        for name in names:
+            for p in self.lora_parameters(name):
+                p.requires_grad_(True)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(previous)  # PEFT resets every adapter's requires_grad
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_keep: int
@@ -350,7 +377,7 @@ def load_agents(recipe: Recipe, tokenizer=None) -> Agents:
             task_type="CAUSAL_LM",
         )
 
-    names = recipe.agents
+    names = recipe.agent_names
     torch.manual_seed(recipe.train.seed)
     model = None
     for name in names:
@@ -368,6 +395,7 @@ def load_agents(recipe: Recipe, tokenizer=None) -> Agents:
         # An agent of another shape starts from its own random A and zero B: the base all the
         # same, as every LoRA adapter does.
     model.set_adapter(names[0])
+    lora.install(model)  # LoRA in the base's dtype, and by row blocks (engine/lora.py)
     heads = torch.nn.ModuleDict()
     if recipe.ppo.advantage == "gae":  # critic-free advantages need no value head
         hidden = base.config.get_text_config().hidden_size

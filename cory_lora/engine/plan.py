@@ -83,7 +83,7 @@ def estimate(recipe: Recipe) -> MemoryPlan:
     dims = _Dims.of(config)
     kv_cache, prefill = _generation_bytes(recipe, dims, width)
     activations, logits = _training_bytes(recipe, dims, width)
-    n_agents = len(recipe.agents)
+    n_agents = len(recipe.agent_names)
     parts = {
         "base weights": base,
         f"adapters + optimizer ({n_agents} agent{'s' * (n_agents > 1)})": agents_bytes,
@@ -117,7 +117,7 @@ def _weight_bytes(recipe: Recipe, model, hidden: int, width: int) -> tuple[float
     AdamW moments), in bytes; `width`: bytes per weight in the compute dtype."""
     head = model.get_output_embeddings()
     linear = 0
-    lora = dict.fromkeys(recipe.agents, 0)  # LoRA parameters of each agent (its own shape)
+    lora = dict.fromkeys(recipe.agent_names, 0)  # LoRA parameters of each agent (its own shape)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
             linear += module.weight.numel()

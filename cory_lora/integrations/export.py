@@ -48,8 +48,8 @@ def export_agent(
     """Write agent `agent` of the run in `run_dir` to the new directory `out`; return `out`."""
     run_dir, out = Path(run_dir), Path(out)
     recipe = _finished_run(run_dir)
-    if agent not in recipe.agents:
-        raise UserError(f"--agent {agent!r}: this run has {', '.join(recipe.agents)}")
+    if agent not in recipe.agent_names:
+        raise UserError(f"--agent {agent!r}: this run has {', '.join(recipe.agent_names)}")
     adapter = run_dir / "final" / agent
     expected = ADAPTER_FILES if recipe.ppo.advantage == "gae" else ADAPTER_FILES[:2]
     missing = [name for name in expected if not (adapter / name).is_file()]

@@ -119,7 +119,7 @@ def _save_checkpoint(
             run_dir, state.iteration, tmp / LOG_SNAPSHOT, earlier[-1] if earlier else None
         )
         agents.save(tmp)
-        for name, agent in state.agents.items():
+        for name, agent in state.agent_states.items():
             torch.save(agent.optimizer.state_dict(), tmp / f"optimizer-{name}.pt")
             if agent.ema is not None:
                 save_file(agent.ema.state_dict(), str(tmp / f"ema-{name}.safetensors"))
@@ -154,14 +154,14 @@ def load_checkpoint(path: Path, agents: Agents, state: TrainerState) -> bool:
         if not (path / name).is_file() or _sha256(path / name) != digest:
             raise _corrupt(path, name, "missing or its checksum does not match")
     try:
-        agents.load(path, tuple(state.agents))
+        agents.load(path, tuple(state.agent_states))
     except (RuntimeError, ValueError, KeyError) as e:  # e.g. config.toml edited to another shape
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
             f"checkpoint {path} does not fit the run's recipe (was config.toml edited? model "
             f"and lora must stay as they were): {reason}"
         ) from None
-    for name, agent in state.agents.items():
+    for name, agent in state.agent_states.items():
         optimizer_state = _load_plain(path / f"optimizer-{name}.pt")
         try:
             agent.optimizer.load_state_dict(optimizer_state)

@@ -151,7 +151,7 @@ def restore(run_dir: RunDir, recipe: Recipe, agents: Agents, state: TrainerState
             "ones sample from fresh (seed, rank) generators (the run goes on, but differs from "
             "one resumed with the same number of processes)"
         )
-    for name, agent in state.agents.items():  # the recipe, not the checkpoint, sets the rate
+    for name, agent in state.agent_states.items():  # the recipe, not the checkpoint, sets the rate
         for group in agent.optimizer.param_groups:
             group["lr"] = recipe.ppo_of(name).learning_rate
     run_dir.truncate_logs(state.iteration)

@@ -10,15 +10,17 @@ One iteration (the numbered steps of `train_iteration`):
    the task reward scores both answers (`cory.play_episode`).
 3. Scores: each agent is paid `self_coef * r_own + other_coef * r_other` (1 and 1: the paper's
    collective reward; PPO: its own reward).
-4. Each agent learns on its own (`update.train_agent`): logprobs, values, reference logprobs and
-   KL penalty, GAE advantages, PPO epochs with its own optimizer, then its KL coefficient moves.
-   NaN/inf anywhere skips that agent's update and leaves it as it was. With Elastic Reset
-   (`reset.every`), every agent's adapter is reset to its EMA when due.
+4. Each agent learns on its own (`learner.learn`, one `Learner` per agent): logprobs, values,
+   reference logprobs and KL penalty, GAE advantages, PPO epochs with its own optimizer, then
+   its KL coefficient moves; with `train.fused`, every agent and the reference go through the
+   model in one pass. NaN/inf anywhere skips that agent's update and leaves it as it was. With
+   Elastic Reset (`reset.every`), every agent's adapter is reset to its EMA when due.
 5. Log: metrics.jsonl, samples.jsonl and the display (with `train.eval_every`, each agent's
    held-out figures first); stop when an agent's updates keep failing.
 6. (in `run`) Checkpoint when due, at the end, or when Ctrl-C asked to stop.
 
-The maths lives in ppo.py, one agent's step in update.py, the episode in cory.py.
+The maths lives in ppo.py, an agent's learning in learner.py (over update.py), the episode in
+cory.py.
 
 Under torchrun (distributed.py) every rank runs this same loop on its share of each batch;
 the updates, statistics and decisions are global, and rank 0 alone writes (the other ranks' run
@@ -46,9 +48,10 @@ from cory_lora.algorithm.cory import (
     play_episode,
     roles_at,
 )
+from cory_lora.algorithm.learner import Learner, fused_passes, learn
 from cory_lora.algorithm.metrics import finite_or_none, iteration_metrics, samples
 from cory_lora.algorithm.state import TrainerState, seed_everything
-from cory_lora.algorithm.update import Skipped, UpdateStats, train_agent
+from cory_lora.algorithm.update import Skipped, UpdateStats
 from cory_lora.config import Recipe
 from cory_lora.engine.data import PromptSet, load_eval_prompts, load_prompts
 from cory_lora.engine.generation import Stopping
@@ -115,6 +118,8 @@ class Setup:
     display: Display
     trackers: Sink
     evaluator: Evaluator | None  # train.eval_every: held-out evaluation during training
+    learners: list[Learner]  # one per agent, over the state's AgentStates
+    fused: bool  # train.fused resolved
 
 
 def run(
@@ -193,7 +198,23 @@ def prepare(
     evaluator = None  # rank 0 alone evaluates (and writes); the others go on to the next batch
     if held_out and distributed.is_main():
         evaluator = Evaluator(recipe, agents, reward, held_out, ks=(1,), n=1)
-    setup = Setup(recipe, agents, prompts, reward, stopping, run_dir, display, trackers, evaluator)
+    learners = [
+        Learner(agents, name, recipe, state.agent_states[name], state.minibatch_rng)
+        for name in agents.names
+    ]
+    setup = Setup(
+        recipe,
+        agents,
+        prompts,
+        reward,
+        stopping,
+        run_dir,
+        display,
+        trackers,
+        evaluator,
+        learners,
+        fused_passes(recipe, agents),
+    )
     return setup, state
 
 
@@ -217,14 +238,17 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     # 1. Roles: exchanged every cory.swap_every iterations (optionally restarting the agents).
     roles = roles_at(state.iteration, recipe.cory.swap_every, agents.names)
     if recipe.cory.reset_on_swap and exchanges_roles_at(state.iteration, recipe.cory.swap_every):
-        for name, agent in state.agents.items():
-            agent.restart(recipe.ppo_of(name))
+        for learner in setup.learners:
+            learner.restart()
     # 2. Rollout: the pioneer answers, then the observer answers after reading it; both scored.
     # (Each query generation.samples_per_query times in a row: a critic-free advantage's group.)
     queries = distributed.my_share(state.order.next(recipe.ppo.batch_size))
     repeats = recipe.generation.samples_per_query
     batch = setup.prompts.take([i for i in queries for _ in range(repeats)])
-    this_iteration = draw_response_length(recipe, state.sampling_rng)
+    this_iteration = recipe
+    if (n := draw_response_length(recipe.generation, state.sampling_rng)) is not None:
+        generation = recipe.generation.model_copy(update={"max_new_tokens": n})
+        this_iteration = recipe.model_copy(update={"generation": generation})
     episode = play_episode(
         agents, roles, batch, this_iteration, setup.reward, setup.stopping, state.sampling_rng
     )
@@ -232,28 +256,15 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     # 3. Scores: own and (in CORY) the other's task reward.
     scores = episode.scores(recipe.cory.self_coef, recipe.cory.other_coef, recipe.cory.others)
     # 4. Each agent learns on its own: rollout scoring, PPO epochs, then its KL coefficient.
-    outcomes = {
-        name: train_agent(
-            agents,
-            name,
-            state.agents[name],
-            episode.generation_of(name),
-            scores[name],
-            episode.reward_problem(scores[name], setup.reward.name),
-            recipe,
-            state.minibatch_rng,
-            episode.pioneer_width,
-        )
-        for name in agents.names
-    }
+    outcomes = learn(setup.learners, episode, scores, setup.reward.name, setup.fused)
     state.iteration += 1
     if recipe.reset.every and state.iteration % recipe.reset.every == 0:
-        for agent in state.agents.values():
+        for agent in state.agent_states.values():
             agent.ema.reset()
             agent.optimizer.state.clear()
     # 5. Log (after a held-out evaluation when due); stop when an agent's updates keep failing.
     metrics = iteration_metrics(
-        state.iteration, episode, scores, outcomes, state.agents, recipe.log.eta
+        state.iteration, episode, scores, outcomes, state.agent_states, recipe.log.eta
     )
     metrics["time/generation_s"] = generated - started
     metrics["time/iteration_s"] = time.perf_counter() - started
@@ -323,7 +334,7 @@ def stop_if_failing(
 ) -> None:
     limit = setup.recipe.train.max_bad_updates
     for name, outcome in outcomes.items():
-        streak = state.agents[name].bad_streak
+        streak = state.agent_states[name].bad_streak
         if streak >= limit:
             last = list_checkpoints(setup.run_dir.path)
             where = (
