@@ -403,16 +403,23 @@ def run_updates(agents: Agents, updates: list[AgentUpdate], fused: bool) -> None
     try:
         for group in groups:
             with agents.training([u.name for u in group]):
-                for k in range(len(group[0].minibatches)):
-                    alive = [u for u in group if u.failure is None]
-                    if not alive:
-                        break
-                    _minibatch_step(agents, alive, k)
-                    faults.maybe_die("update")
+                _steps(agents, group)
     finally:
         agents.model.eval()
         for u in updates:
             u.state.optimizer.zero_grad(set_to_none=True)  # frees gradients before generation
+
+
+def _steps(agents: Agents, group: list[AgentUpdate]) -> None:
+    """The optimizer steps of the updates in `group`, their k-th steps together. Agents may
+    differ in epochs or minibatch size ([[agents]] keys): each steps while it has minibatches
+    left and has not failed."""
+    for k in range(max(len(u.minibatches) for u in group)):
+        alive = [u for u in group if u.failure is None and k < len(u.minibatches)]
+        if not alive:
+            return
+        _minibatch_step(agents, alive, k)
+        faults.maybe_die("update")
 
 
 def _minibatch_step(agents: Agents, group: list[AgentUpdate], k: int) -> None:
