@@ -1,9 +1,11 @@
 """GPU check at 7B scale without downloading anything: a Llama-2-7B-shaped model with random
 weights, loaded in 4-bit by the same code a run uses, one CORY iteration and one single-agent PPO
-iteration at the 7B recipe's batch and lengths. Prints peak GPU memory of each
-(`torch.cuda.max_memory_allocated`), iteration times, and our sampler vs `generate`.
+iteration at the 7B recipe's batch and lengths, CORY with separate and with fused passes
+(`train.fused`). Prints peak GPU memory of each (`torch.cuda.max_memory_allocated`), iteration
+times, and our sampler vs `generate`.
 
-    bash bench/gpu_check.sh              # on a GPU machine
+    bash bench/gpu_check.sh              # on a GPU machine with network (pip installs us)
+    bash bench/gpu_check.sh --wheels DIR # on one without: our dependencies from a wheel folder
     python bench/gpu_check.py --small    # the same code path on CPU, with a tiny model
 
 Prompts are made as long as the recipe allows (data.max_prompt_tokens) and a random model
@@ -106,14 +108,21 @@ def main() -> None:
             'lora.target_modules=["q_proj", "v_proj"]',
         ]
     results = {}
-    for name, extra in (("cory", []), ("ppo", ["train.algorithm=ppo"])):
+    configurations = (
+        ("cory", ["train.fused=false"]),
+        ("cory fused", ["train.fused=true"]),
+        ("ppo", ["train.algorithm=ppo"]),
+    )
+    for name, extra in configurations:
         peak, seconds = one_iteration(recipe, overrides + extra, work / f"run-{name}")
         results[name] = (peak, seconds)
         print(
-            f"{name:5s} one iteration: peak GPU memory {peak:.2f} GiB, {seconds:.1f} s", flush=True
+            f"{name:10s} one iteration: peak GPU memory {peak:.2f} GiB, {seconds:.1f} s",
+            flush=True,
         )
-    cory, ppo = results["cory"][0], results["ppo"][0]
-    print(f"CORY / PPO peak memory: {cory / ppo:.3f}x", flush=True)
+    (cory, cory_s), (fused, fused_s), (ppo, _) = (results[n] for n, _ in configurations)
+    print(f"CORY / PPO peak memory: {cory / ppo:.3f}x (fused: {fused / ppo:.3f}x)", flush=True)
+    print(f"CORY fused / separate time: {fused_s / cory_s:.2f}x", flush=True)
     g = base.generation
     bench = [
         sys.executable,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The image's install steps, in one place: docker/Dockerfile runs this script, and CI runs it in
+# The image's install steps, in one place: the top-level Dockerfile runs this script, and CI runs it in
 # a fresh virtual environment on every submission, so the image's install is exercised even
 # where no image can be built.
 #

@@ -1,5 +1,5 @@
 """Run by tests/test_distributed.py, in one process or under `torchrun --nproc-per-node K`: two
-iterations of llm1's update (`update.train_agent`) on the same 8 episodes, each rank given its
+iterations of llm1's update (`learner.learn`, unfused) on the same 8 episodes, each rank given its
 share. Rank 0 writes the agent's trainable tensors and the updates' statistics to OUT.
 
     python tests/distributed_update.py MODEL_DIR DATA_FILE OUT [section.key=value ...]

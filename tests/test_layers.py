@@ -1,4 +1,4 @@
-"""Imports flow one way between the package's parts (docs/layout.md; DESIGN.md):
+"""Imports flow one way between the package's parts (docs/layout.md):
 
 cli → integrations → science → run → algorithm → engine / rewards → config → services → errors.
 

@@ -105,3 +105,34 @@ def test_by_default_the_observers_step_peaks_no_higher_than_the_pioneers(tiny_re
     pioneer, observer = roles.pioneer, roles.observer
     assert live["auto", observer] <= 1.05 * live["auto", pioneer], live
     assert live[0, observer] > 1.2 * live[0, pioneer], live
+
+
+def test_a_fused_step_of_both_agents_peaks_within_5_percent_of_the_pioneers_alone(tiny_recipe):
+    """train.fused at default settings: every agent's micro-batch shares one forward, each with
+    its share of ppo.micro_batch_tokens, so the fused step of both agents holds no more than
+    the pioneer's step alone (PPO's), to 5%."""
+    from cory_lora.algorithm.learner import Learner, learn
+
+    recipe = tiny_recipe(
+        ppo={"batch_size": 8, "minibatch_size": 8},
+        generation={"max_new_tokens": 12, "min_new_tokens": 12},
+    )
+    agents = load_agents(recipe)
+    state = TrainerState.fresh(recipe, agents, 8)
+    roles = roles_at(0, recipe.cory.swap_every, agents.names)
+    reward, stopping = load_reward(recipe.reward.function), agents.stopping(())
+    batch = load_prompts(recipe.data).take(list(range(8)))
+    episode = play_episode(agents, roles, batch, recipe, reward, stopping, state.sampling_rng)
+    ramp = torch.linspace(-1, 1, 8)
+    learners = [
+        Learner(agents, name, recipe, state.agent_states[name], state.minibatch_rng)
+        for name in agents.names
+    ]
+    scores = dict.fromkeys(agents.names, ramp)
+    learn(learners, episode, scores, "test", fused=True)  # the optimizers' moments, made once
+    pioneer = state.agent_states[roles.pioneer]
+    args = (agents, roles.pioneer, recipe, pioneer, episode, ramp, state.minibatch_rng)
+    _, alone = peak_above_start(learn_alone, *args)
+    _, fused = peak_above_start(learn, learners, episode, scores, "test", True)
+    weights = parameter_bytes(agents)
+    assert weights + fused <= 1.05 * (weights + alone), (fused, alone, weights)

@@ -72,7 +72,8 @@ class Roles:
 def roles_at(iteration: int, swap_every: int, names: tuple[str, ...]) -> Roles:
     """Roles during `iteration` (0-based): llm1, llm2, ... in that order first, then every
     swap_every iterations the order rotates by one (swap_every = 0: never); with 2 agents the
-    roles are exchanged."""
+    roles are exchanged: the paper's role exchange (Ma et al. 2024, method section, "Role
+    Exchange"; its code flips `swap` every `swap_freq` epochs, imdb_train/cory.py)."""
     roles = Roles(*names)
     return roles.rotated(iteration // swap_every) if swap_every else roles
 
@@ -146,7 +147,10 @@ class Episode:
         self, self_coef: float, other_coef: float, others: str = "sum"
     ) -> dict[str, torch.Tensor]:
         """Each agent's PPO score [B]: its own task reward plus, in CORY, the others' (their sum
-        or mean, weighted by other_coef)."""
+        or mean, weighted by other_coef). With 1 and 1, both agents of a pair are paid
+        r(pioneer's answer) + r(observer's answer): the paper's collective reward (Ma et al.
+        2024, method section, "Knowledge Transfer": both agents optimise the same collective
+        return; its code: `game_reward_1 = game_reward_2 = r1 + r2`, imdb_train/cory.py)."""
         if len(self.rewards) == 1:
             return {self.roles.pioneer: self.rewards[0]}
         out = {}

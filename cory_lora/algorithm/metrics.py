@@ -1,5 +1,5 @@
 """What an iteration writes: one metrics record (metrics.jsonl) and a few sample texts
-(samples.jsonl). Metric keys per agent `llmK/` are a contract (README, DESIGN.md)."""
+(samples.jsonl). Metric keys per agent `llmK/` are a contract (the README lists them)."""
 
 from __future__ import annotations
 

@@ -218,13 +218,14 @@ def score(
     agents: Agents, jobs: list[ScoringJob], micro_batch_size: int, fused: bool
 ) -> dict[str, TokenStatistics]:
     """Each job's token statistics, micro_batch_size episodes of an agent at a time: its
-    forward then the reference's (fused: every job's micro-batch and its reference rows in one
-    forward).
+    forward then the reference's. Fused, every job's share of micro_batch_size episodes and
+    their reference rows in one forward: 2 x micro_batch_size rows, as many logits as a separate
+    pass holds at once (its agent's and its reference's), in half the forwards of all agents.
 
-    Always micro_batch_size rows per agent and block, whatever ppo.micro_batch_tokens: without
-    gradients nothing is kept across layers, and the logits are taken at the response positions
-    only, so a wider prompt (the observer's) adds little to the peak, while fewer rows per
-    forward cost time (on CPU a forward's fixed cost dominates at these sizes)."""
+    micro_batch_size rows whatever ppo.micro_batch_tokens: without gradients nothing is kept
+    across layers, and the logits are taken at the response positions only, so a wider prompt
+    (the observer's) adds little to the peak, while fewer rows per forward cost time (on CPU a
+    forward's fixed cost dominates at these sizes)."""
     parts: dict[str, list[tuple]] = {job.name: [] for job in jobs}
     if not fused:
         for job in jobs:
@@ -235,7 +236,8 @@ def score(
                 parts[job.name].append(_statistics(agents, job, resp, logits, hidden, ref))
     else:
         n = max(len(job.generation.response_ids) for job in jobs)
-        for rows in torch.arange(n).split(micro_batch_size):
+        share = max(1, micro_batch_size // len(jobs))
+        for rows in torch.arange(n).split(share):
             blocks = []
             for job in jobs:
                 ids, mask = (t[rows] for t in sequences(job.generation))

@@ -1,5 +1,5 @@
 # cory-lora for consumer NVIDIA GPUs.
-#   docker build -f docker/Dockerfile -t cory-lora .
+#   docker build -t cory-lora .
 #   docker run --gpus all -v $PWD/runs:/home/cory/runs cory-lora             # the real-model demo
 #   docker run --gpus all -v $PWD/runs:/home/cory/runs -v $PWD/my.toml:/home/cory/my.toml \
 #       cory-lora run my.toml --output-dir runs/mine
