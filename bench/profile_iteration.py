@@ -1,6 +1,6 @@
 """Where a training iteration's time goes, on the real model: by phase and by op class.
 
-    python bench/profile_iteration.py                                   # both SmolLM2 recipes, CORY, CPU
+    python bench/profile_iteration.py                         # both SmolLM2 recipes, CORY, CPU
     python bench/profile_iteration.py --recipe recipes/smollm2_arith.toml --set train.fused=true
     python bench/profile_iteration.py --quick                           # batch 8, 16 new tokens
     python bench/profile_iteration.py --model DIR --device cuda         # another model, a GPU
