@@ -43,7 +43,7 @@ from cory_lora.errors import (
     os_error_message,
 )
 from cory_lora.run.interrupts import STOP_EXIT_CODES, Interrupted, exit_code, stop_like_ctrl_c
-from cory_lora.run.rundir import check_holds_a_run
+from cory_lora.run.rundir import check_holds_a_run, run_path
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -130,6 +130,8 @@ def user_errors():
     except UserError as e:
         if console.quiet:  # a torchrun rank other than 0: rank 0 says it
             raise typer.Exit(e.exit_code) from None
+        if os.environ.get("CORY_LORA_TRACEBACK") and e.__cause__ is not None:
+            traceback.print_exception(e.__cause__)  # user code's own error (a reward's), whole
         if e.exit_code not in STOP_EXIT_CODES:
             _error(f"[bold red]error:[/] {escape(str(e))}", e.exit_code)
         text = str(e) if str(e).startswith("stopped") else f"stopped: {e}"
@@ -240,7 +242,7 @@ def run(
             raise UserError("--resume and --overwrite contradict each other: choose one")
         if resume and not (output_dir or config.train.output_dir):
             raise UserError("--resume needs --output-dir (the run to continue)")
-        path = output_dir or Path(config.train.output_dir or default_output_dir(recipe))
+        path = run_path(output_dir or config.train.output_dir or default_output_dir(recipe))
         spec = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         if spec.wanted:  # the ranks run this command, each with its share of the batch
             spec.check(config.ppo.batch_size, config.model.device)
@@ -271,6 +273,7 @@ def resume(
 ) -> None:
     """Continue a run from its newest checkpoint, with the recipe it saved (plus --set)."""
     with user_errors():
+        run_dir = run_path(run_dir)
         check_holds_a_run(run_dir)
         check_remote_code(run_dir, trust_remote_code)
         config = load_recipe(run_dir / "config.toml", set_ or [])
@@ -432,6 +435,7 @@ def eval_(
     """Evaluate a finished run: each agent alone, the pair, and the base model."""
     from rich.table import Table
 
+    run_dir = run_dir.expanduser()
     with user_errors():
         check_remote_code(run_dir, trust_remote_code)
         try:
@@ -493,6 +497,7 @@ def sample(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Print an agent's answers to a prompt."""
+    run_dir = run_dir.expanduser()
     with user_errors():
         check_remote_code(run_dir, trust_remote_code)
         if n < 1:
@@ -520,7 +525,7 @@ def plot(
     with user_errors():
         from cory_lora.science.plots import plot_runs
 
-        path = plot_runs(run_dirs, out, max(1, smooth))
+        path = plot_runs([d.expanduser() for d in run_dirs], out.expanduser(), max(1, smooth))
     console.print(f"written {path}", highlight=False, markup=False)
 
 
@@ -580,8 +585,9 @@ def study(
         from cory_lora.science.report import write_report
         from cory_lora.science.study import StudyRunner, default_study_dir, load_study
 
+        study_file = study_file.expanduser()
         plan, runs = load_study(study_file, tuple(set_ or ()), nproc_per_node)
-        path = default_study_dir(plan, str(output_dir) if output_dir else None)
+        path = default_study_dir(plan, str(output_dir.expanduser()) if output_dir else None)
         study_line = f"[bold]study[/] {escape(str(study_file))} -> [bold]{escape(str(path))}[/]"
         console.print(study_line, highlight=False)
         try:
@@ -615,6 +621,7 @@ def report(
     with user_errors():
         from cory_lora.science.report import write_report
 
+        study_dir = study_dir.expanduser()
         write_report(study_dir)
     console.print(f"written {study_dir / 'report.md'}", highlight=False, markup=False)
 
@@ -643,6 +650,7 @@ def export(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Export one agent of a finished run: PEFT adapter or merged model, value head, card."""
+    run_dir, out = run_dir.expanduser(), out.expanduser()
     with user_errors():
         check_remote_code(run_dir, trust_remote_code)
         if merge:

@@ -17,12 +17,16 @@ TRL does.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
 import math
 import numbers
+import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -104,10 +108,19 @@ class Reward:
     ) -> torch.Tensor:
         """Score completions: float32 [B], NaN where the reward gave None or a non-finite value.
         Raises RewardError (naming the sample) for an exception, a wrong length or a non-number."""
-        given_prompts, given_completions = self.shaped(prompts, completions)
+        # The reward is user code: it gets copies, so an in-place clean-up
+        # (`completions[i] = c.strip()`) cannot change the observer's input, the other rewards
+        # or samples.jsonl; lists of short strings are cheap to copy.
+        given_prompts, given_completions = self.shaped(list(prompts), list(completions))
+        given_columns = {name: copy.deepcopy(values) for name, values in columns.items()}
+        cwd = os.getcwd()
         try:
             with torch.no_grad():
-                values = self.fn(prompts=given_prompts, completions=given_completions, **columns)
+                values = self.fn(
+                    prompts=copy.deepcopy(given_prompts),
+                    completions=copy.deepcopy(given_completions),
+                    **given_columns,
+                )
         except RewardError:
             raise  # already says what went wrong (an HTTP reward's server, say)
         except SystemExit as e:  # would end the whole run, silently, with the reward's code
@@ -123,7 +136,12 @@ class Reward:
                     '[{"role": "assistant", "content": ...}]; set reward.completion_format = '
                     '"text" for plain strings)'
                 )
-            raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e}{hint}") from e
+            raise RewardError(
+                f"reward {self.name!r} raised {type(e).__name__}: {e}{user_frame(e)}{hint}"
+            ) from e
+        finally:
+            if _cwd_moved(cwd):  # a code-running reward's os.chdir must not move the run
+                os.chdir(cwd)
         if isinstance(values, torch.Tensor) and values.ndim >= 1:
             values = values.detach().cpu().flatten().tolist()
         elif type(values).__module__ == "numpy" and getattr(values, "ndim", 0) >= 1:
@@ -160,6 +178,36 @@ class Reward:
             [[*system, {"role": "user", "content": p}] for p in prompts],
             [[{"role": "assistant", "content": c}] for c in completions],
         )
+
+
+def _cwd_moved(cwd: str) -> bool:
+    try:
+        return os.getcwd() != cwd
+    except OSError:  # the reward removed the directory it moved to
+        return True
+
+
+LIBRARY_DIRS = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+def user_frame(error: BaseException) -> str:
+    """` (file, line N)`: where user code raised `error`: the innermost frame outside the
+    standard library, installed packages and cory-lora (a reward that raises inside a library
+    call is named at its own line), else the innermost frame."""
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is our call of the reward
+    if not frames:
+        return ""
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = [
+        f
+        for f in frames
+        if not os.path.abspath(f.filename).startswith((*LIBRARY_DIRS, ours))
+        and not f.filename.startswith("<frozen")
+    ]
+    frame = (own or frames)[-1]
+    return f" ({frame.filename}, line {frame.lineno})"
 
 
 def _as_scalar(value):

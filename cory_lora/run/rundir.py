@@ -10,6 +10,7 @@ nothing.
 from __future__ import annotations
 
 import fnmatch
+import os
 import shutil
 from pathlib import Path
 
@@ -42,6 +43,12 @@ RUN_FILES = (
 )
 
 
+def run_path(path: str | Path) -> Path:
+    """A run directory's path as every writer uses it: `~` expanded, absolute (not resolved: a
+    symlinked directory keeps the name the user gave it)."""
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
 def nothing_to_resume(path: Path, why: str) -> UserError:
     return UserError(f"nothing to resume in {str(path)!r}: {why}")
 
@@ -61,7 +68,9 @@ class RunDir:
     """
 
     def __init__(self, path: Path, overwrite: bool = False, resume: bool = False):
-        self.path, self.overwrite, self.resume, self.created = Path(path), overwrite, resume, False
+        # Absolute once, here: user code (a reward calling os.chdir) cannot move the run's writes.
+        self.path = run_path(path)
+        self.overwrite, self.resume, self.created = overwrite, resume, False
         self._check()
 
     def _check(self, locked: bool = False) -> None:
@@ -189,7 +198,7 @@ class FollowerRunDir(RunDir):
     checkpoint) but never write; rank 0's RunDir owns it."""
 
     def __init__(self, path: Path, resume: bool = False):
-        self.path, self.overwrite, self.resume, self.created = Path(path), False, resume, False
+        self.path, self.overwrite, self.resume, self.created = run_path(path), False, resume, False
 
     def open(self) -> RunDir:
         return self

@@ -1,0 +1,84 @@
+"""Reliability round 3 (issue 33): user code that misbehaves, paths, a full disk, a requeued
+`run --resume`, rewards over HTTP and odd reward values, several nodes, wrong targets. One test
+(or more) per class, each failing without its fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cory_lora.rewards import Reward
+
+from .conftest import tiny_recipe_dict
+from .helpers import invoke, write_recipe
+
+
+@pytest.fixture
+def workspace(tmp_path, tiny_model_dir, arith_file, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def recipe(**sections):
+        raw = tiny_recipe_dict(tiny_model_dir, arith_file, **sections)
+        return write_recipe(tmp_path / "recipe.toml", raw)
+
+    return tmp_path, recipe
+
+
+# 1. User code reaches our state ------------------------------------------------------------
+
+
+def test_a_reward_that_edits_its_arguments_in_place_changes_nothing_of_ours():
+    def cleans_up(prompts, completions, answer, **kw):
+        for i, c in enumerate(completions):
+            completions[i] = c.strip() + "!"
+        prompts.clear()
+        answer[0] = "changed"
+        return [1.0] * len(answer)
+
+    prompts, completions, columns = ["1+1="], [" 2 "], {"answer": ["2"]}
+    Reward("mod:cleans_up", cleans_up)(prompts, completions, columns)
+    assert (prompts, completions, columns) == (["1+1="], [" 2 "], {"answer": ["2"]})
+
+
+def test_a_reward_moving_the_working_directory_moves_no_write_of_the_run(workspace):
+    root, recipe = workspace
+    (root / "elsewhere").mkdir()
+    (root / "chdir_reward.py").write_text(
+        "import os\n"
+        f"TARGET = {str(root / 'elsewhere')!r}\n"
+        "def score(prompts, completions, **kw):\n"
+        "    os.chdir(TARGET)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    path = recipe(reward={"function": "chdir_reward:score"}, train={"checkpoint_every": 1})
+    result = invoke("run", path, "--output-dir", "run", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert Path.cwd() == root
+    assert list((root / "elsewhere").iterdir()) == []
+    assert (root / "run" / "final").is_dir() and (root / "run" / "checkpoints").is_dir()
+
+
+def test_a_run_directory_is_absolute_from_the_start(tmp_path, monkeypatch):
+    from cory_lora.run.rundir import RunDir
+
+    monkeypatch.chdir(tmp_path)
+    run_dir = RunDir(Path("runs/x"))
+    assert run_dir.path == tmp_path / "runs" / "x"
+
+
+def test_a_reward_exception_names_the_users_file_and_line(tmp_path, monkeypatch):
+    from cory_lora.errors import RewardError
+    from cory_lora.rewards import load_reward
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "raising_reward.py").write_text(
+        "import json\n"
+        "def score(prompts, completions, **kw):\n"
+        "    return [json.loads(c) for c in completions]\n"
+    )
+    reward = load_reward("raising_reward:score")
+    with pytest.raises(RewardError) as e:
+        reward(["q"], ["not json"], {})
+    assert f"({tmp_path / 'raising_reward.py'}, line 3)" in str(e.value)
