@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,66 @@ def test_a_reward_exception_names_the_users_file_and_line(tmp_path, monkeypatch)
     with pytest.raises(RewardError) as e:
         reward(["q"], ["not json"], {})
     assert f"({tmp_path / 'raising_reward.py'}, line 3)" in str(e.value)
+
+
+# 2. Paths -----------------------------------------------------------------------------------
+
+
+def test_a_home_path_is_expanded_in_the_recipe_and_on_the_command_line(
+    workspace, monkeypatch, tiny_model_dir
+):
+    import shutil
+
+    root, recipe = workspace
+    home = root / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    shutil.copytree(tiny_model_dir, home / "model")
+    path = recipe(model={"name_or_path": "~/model"}, train={"iterations": 1})
+    result = invoke("run", path, "--output-dir", "~/runs/a", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert (home / "runs" / "a" / "final").is_dir()
+    assert not (root / "~").exists()
+    saved = (home / "runs" / "a" / "config.toml").read_text()
+    assert f'name_or_path = "{home / "model"}"' in saved
+
+
+def test_printed_commands_are_quoted_for_the_shell(monkeypatch):
+    from cory_lora.services import distributed
+
+    monkeypatch.delenv(distributed.LAUNCH_FLAGS, raising=False)
+    assert distributed.cli("resume", "/tmp/my runs/a") == "cory-lora resume '/tmp/my runs/a'"
+    monkeypatch.setenv(distributed.LAUNCH_FLAGS, "--nnodes 2 --node-rank 1 --rdzv-endpoint h:29500")
+    assert distributed.cli("resume", "r") == (
+        "cory-lora resume r --nnodes 2 --node-rank 1 --rdzv-endpoint h:29500"
+    )
+
+
+def test_overwrite_never_follows_a_link_out_of_the_run_directory(workspace):
+    root, recipe = workspace
+    out = root / "run"
+    path = recipe(train={"iterations": 1})
+    assert invoke("run", path, "--output-dir", out, "--quiet").exit_code == 0
+    kept = root / "kept"
+    (out / "final").rename(kept)
+    (out / "final").symlink_to(kept, target_is_directory=True)
+    before = sorted(p.relative_to(kept) for p in kept.rglob("*"))
+    result = invoke("run", path, "--output-dir", out, "--overwrite", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.relative_to(kept) for p in kept.rglob("*")) == before
+    assert (out / "final").is_dir() and not (out / "final").is_symlink()
+
+
+def test_overwrite_checks_everything_before_deleting_anything(workspace, monkeypatch):
+    root, recipe = workspace
+    out = root / "run"
+    path = recipe(train={"iterations": 1, "checkpoint_every": 1})
+    assert invoke("run", path, "--output-dir", out, "--quiet").exit_code == 0
+    before = sorted(p.relative_to(out) for p in out.rglob("*") if p.name != ".lock")
+    stuck = out / "checkpoints" / "iter-000001" / "llm2"
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != stuck and real_access(p, mode))
+    result = invoke("run", path, "--output-dir", out, "--overwrite", "--quiet")
+    assert result.exit_code == 1
+    assert "--overwrite refused" in result.output and "nothing was deleted" in result.output
+    assert sorted(p.relative_to(out) for p in out.rglob("*") if p.name != ".lock") == before

@@ -44,6 +44,7 @@ from cory_lora.errors import (
 )
 from cory_lora.run.interrupts import STOP_EXIT_CODES, Interrupted, exit_code, stop_like_ctrl_c
 from cory_lora.run.rundir import check_holds_a_run, run_path
+from cory_lora.services.distributed import cli
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -595,7 +596,7 @@ def study(
         except KeyboardInterrupt as e:
             raise Interrupted(
                 f"study interrupted; the run in progress checkpointed. Continue with: "
-                f"cory-lora study {study_file} --output-dir {path}",
+                f"{cli('study', study_file, '--output-dir', path)}",
                 exit_code(e) - 128,
             ) from None
         failed = [r for r in records.values() if r["status"] != "done"]

@@ -34,6 +34,7 @@ from cory_lora.run.atomic import atomic_directory
 from cory_lora.run.records import read_json, read_metrics
 from cory_lora.science.evaluate import samples_each
 from cory_lora.services import fetch
+from cory_lora.services.distributed import cli
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
 
@@ -99,7 +100,7 @@ def _check_adapter(run_dir: Path, adapter: Path) -> None:
     if problem:
         raise UserError(
             f"{problem}; nothing was exported. The run's checkpoints are intact: delete "
-            f"{run_dir / 'final'} and `cory-lora resume {run_dir}` writes it again"
+            f"{run_dir / 'final'} and `{cli('resume', run_dir)}` writes it again"
         )
 
 
@@ -118,7 +119,7 @@ def _finished_run(run_dir: Path) -> Recipe:
     if not (run_dir / "final").is_dir():
         raise UserError(
             f"{str(run_dir)!r}: the run has not finished (no final/ adapters); finish it with "
-            f"`cory-lora resume {run_dir}`, then export"
+            f"`{cli('resume', run_dir)}`, then export"
         )
     return load_recipe(run_dir / "config.toml")
 

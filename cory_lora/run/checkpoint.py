@@ -66,7 +66,7 @@ def what_is_left(run_dir: Path) -> str:
     if checkpoints:
         return (
             f"the last complete checkpoint, {checkpoints[-1].name}, is intact; resume with "
-            f"`cory-lora resume {run_dir}`"
+            f"`{distributed.cli('resume', run_dir)}`"
         )
     if (Path(run_dir) / "metrics.jsonl").exists():
         return (
@@ -100,7 +100,7 @@ def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: in
             os_error_message(
                 e, f"checkpoint {checkpoint_name(state.iteration)} could not be written"
             )
-            + f"; {kept}. Once that is fixed: cory-lora resume {run_dir}"
+            + f"; {kept}. Once that is fixed: {distributed.cli('resume', run_dir)}"
         ) from None
     distributed.barrier()
     return path

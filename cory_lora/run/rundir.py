@@ -49,6 +49,29 @@ def run_path(path: str | Path) -> Path:
     return Path(os.path.abspath(Path(path).expanduser()))
 
 
+def remove(path: Path) -> None:
+    """Delete a file or a directory tree; a symbolic link is removed itself, never followed (a
+    run's `final` linked to elsewhere loses the link, not what it points at)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)  # does not follow links inside the tree either
+
+
+def check_removable(path: Path) -> None:
+    """UserError unless `remove(path)` can delete all of it (checked before anything is
+    deleted, so `--overwrite` never leaves half an old run)."""
+    folders = [path.parent]
+    if path.is_dir() and not path.is_symlink():
+        folders += [Path(root) for root, _, _ in os.walk(path, followlinks=False)]
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UserError(
+                f"--overwrite refused: {str(folder)!r} cannot be changed (no permission to "
+                "delete what it holds); nothing was deleted"
+            )
+
+
 def nothing_to_resume(path: Path, why: str) -> UserError:
     return UserError(f"nothing to resume in {str(path)!r}: {why}")
 
@@ -128,9 +151,11 @@ class RunDir:
         return lock
 
     def open(self) -> RunDir:
-        for name in self._existing():
-            target = self.path / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        doomed = [self.path / name for name in self._existing()]
+        for target in doomed:  # every check before the first deletion: all of the old run or none
+            check_removable(target)
+        for target in doomed:
+            remove(target)
         self.created = self.created or not self.path.exists()
         make_directory(self.path)
         return self
@@ -151,7 +176,7 @@ class RunDir:
                 for leftover in parent.glob(".*"):
                     if leftover.name == LOCK_FILE:
                         continue
-                    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+                    remove(leftover)
 
     def _snapshot(self, iterations: int) -> Path:
         return self.path / CHECKPOINTS / checkpoint_name(iterations) / LOG_SNAPSHOT
@@ -164,8 +189,8 @@ class RunDir:
         self.check_logs(iterations)
         restore_logs(self.path, self._snapshot(iterations), iterations)
         final = self.path / "final"
-        if final.exists():  # a finished run being extended: its final adapters are rewritten
-            shutil.rmtree(final)
+        if final.exists() or final.is_symlink():  # a finished run being extended: rewritten
+            remove(final)
 
     def check_logs(self, iterations: int) -> str | None:
         """A warning when the live logs are damaged before the checkpoint at `iterations` and
