@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -146,3 +147,44 @@ def test_overwrite_checks_everything_before_deleting_anything(workspace, monkeyp
     assert result.exit_code == 1
     assert "--overwrite refused" in result.output and "nothing was deleted" in result.output
     assert sorted(p.relative_to(out) for p in out.rglob("*") if p.name != ".lock") == before
+
+
+# 3. A requeued `run --resume` ----------------------------------------------------------------
+
+
+def test_run_resume_before_the_first_checkpoint_starts_the_same_run_afresh(workspace):
+    import shutil
+
+    root, recipe = workspace
+    out = root / "run"
+    path = recipe(train={"iterations": 2, "checkpoint_every": 1})
+    assert invoke("run", path, "--output-dir", out, "--quiet").exit_code == 0
+    # as if killed after iteration 1's log line, before its checkpoint
+    shutil.rmtree(out / "checkpoints")
+    shutil.rmtree(out / "final")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text(lines[0] + "\n")
+    another = invoke("run", path, "--output-dir", out, "--resume", "--set", "train.seed=7")
+    assert another.exit_code == 1 and "the recipe changed train.seed" in another.output
+    result = invoke("run", path, "--output-dir", out, "--resume", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert "no checkpoint in" in result.output and "from the beginning" in result.output
+    assert [json.loads(x)["iteration"] for x in (out / "metrics.jsonl").open()] == [1, 2]
+    assert (out / "final").is_dir()
+
+
+def test_run_resume_where_the_killed_run_wrote_nothing_yet_starts_it(workspace):
+    root, recipe = workspace
+    out = root / "run"
+    out.mkdir()
+    (out / ".lock").write_text("")  # killed while loading its model
+    path = recipe(train={"iterations": 1})
+    result = invoke("run", path, "--output-dir", out, "--resume", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert "nothing to resume in" in result.output and "from the beginning" in result.output
+    assert (out / "final").is_dir()
+    (root / "notes").mkdir()
+    (root / "notes" / "mine.txt").write_text("x")
+    refused = invoke("run", path, "--output-dir", root / "notes", "--resume", "--quiet")
+    assert refused.exit_code == 1 and "nothing to resume" in refused.output
+    assert (root / "notes" / "mine.txt").read_text() == "x"

@@ -308,17 +308,15 @@ def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume
         distributed.stop()
 
 
-GO, NOTHING_TO_DO, FAILED = 1, 0, -1  # rank 0's word to the other ranks before training
-
-
 def _train_follower(config, path: Path, resume: bool) -> None:
     from cory_lora.cli.console import Display
+    from cory_lora.run.handshake import GO, GO_FRESH, NOTHING_TO_DO, follow
     from cory_lora.run.rundir import FollowerRunDir
-    from cory_lora.services import distributed
 
-    word = distributed.from_main(GO)
-    if word != GO:
+    word = follow()  # rank 0 checks the run directory and decides
+    if word not in (GO, GO_FRESH):
         raise typer.Exit(0 if word == NOTHING_TO_DO else 1)
+    resume = resume and word == GO
     quiet_libraries()
     from cory_lora.run.train import run as train_run
 
@@ -327,53 +325,33 @@ def _train_follower(config, path: Path, resume: bool) -> None:
 
 def _train_main(config, source, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
     from cory_lora.integrations.trackers import check_trackers
-    from cory_lora.run.rundir import RunDir
-    from cory_lora.services import distributed
+    from cory_lora.run.handshake import main_start
 
-    told = False
-
-    def tell(word: int) -> None:  # the other ranks (if any) wait for this before training
-        nonlocal told
-        if not told:
-            told = True
-            distributed.from_main(word)
-
-    try:
-        run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks before model loading
-        check_trackers(config)  # a named tracker that is not installed: say so before loading
-        with run_dir.lock():  # this process is the directory's only writer until the run ends
-            warning = None
-            if resume:
-                from cory_lora.run.resume import check_resume
-
-                check = check_resume(run_dir, config)
-                if check.complete:
-                    tell(NOTHING_TO_DO)
-                    console.print(
-                        f"{escape(str(path))} already has its {check.done} iterations: nothing "
-                        "to do, nothing changed. Raise train.iterations (--set "
-                        "train.iterations=N) to extend it",
-                        highlight=False,
-                    )
-                    return
-                warning = check.warning
-            tell(GO)
-            _echo_and_train(config, source, path, run_dir, quiet, resume, warning)
-    finally:
-        tell(FAILED)  # a check failed: the other ranks stop too
+    # check_trackers: a named tracker that is not installed is said before loading
+    with main_start(config, path, overwrite, resume, lambda: check_trackers(config)) as start:
+        if start.nothing_to_do:
+            console.print(
+                f"{escape(str(path))} already has its {start.done} iterations: nothing "
+                "to do, nothing changed. Raise train.iterations (--set "
+                "train.iterations=N) to extend it",
+                highlight=False,
+            )
+            return
+        _echo_and_train(config, source, path, start, quiet)
 
 
-def _echo_and_train(config, source, path, run_dir, quiet, resume, warning) -> None:
+def _echo_and_train(config, source, path, start, quiet) -> None:
     from cory_lora.cli.console import Display
 
+    run_dir, resume = start.run_dir, start.resume
     verb = "resuming" if resume else "recipe"
     console.print(
         f"[bold]{verb}[/] {escape(source)} -> [bold]{escape(str(path))}[/]", highlight=False
     )
     if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
         console.print(recipe_toml(config), highlight=False, markup=False)
-    if warning:
-        console.print(warning, highlight=False, markup=False)
+    for note in start.notes:
+        console.print(note, highlight=False, markup=False)
     try:
         quiet_libraries()
         from cory_lora.integrations.trackers import open_trackers

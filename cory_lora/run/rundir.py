@@ -150,6 +150,12 @@ class RunDir:
             raise
         return lock
 
+    def start_afresh(self) -> None:
+        """A resume that found no checkpoint of this run: start it from the beginning, replacing
+        what the stopped attempt wrote (checked as `--overwrite` checks)."""
+        self.resume, self.overwrite = False, True
+        self._check(locked=True)
+
     def open(self) -> RunDir:
         doomed = [self.path / name for name in self._existing()]
         for target in doomed:  # every check before the first deletion: all of the old run or none
