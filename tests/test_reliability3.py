@@ -188,3 +188,114 @@ def test_run_resume_where_the_killed_run_wrote_nothing_yet_starts_it(workspace):
     refused = invoke("run", path, "--output-dir", root / "notes", "--resume", "--quiet")
     assert refused.exit_code == 1 and "nothing to resume" in refused.output
     assert (root / "notes" / "mine.txt").read_text() == "x"
+
+
+# 4. The machine runs out ---------------------------------------------------------------------
+
+TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+SAFETENSORS_TOO_BIG = "Error while serializing: I/O error: File too large (os error 27)"
+
+
+class SafetensorError(Exception):
+    """What safetensors raises (its Rust type) for a write the file system refused."""
+
+
+def test_torch_saves_full_disk_during_a_checkpoint_is_the_documented_message(
+    workspace, monkeypatch
+):
+    import torch
+
+    import cory_lora.run.checkpoint
+
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if "iter-000002" in str(path):
+            raise RuntimeError(TORCH_FULL)
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(cory_lora.run.checkpoint.torch, "save", save)
+    root, recipe = workspace
+    out = root / "my run"
+    path = recipe(train={"iterations": 3, "checkpoint_every": 1})
+    result = invoke("run", path, "--output-dir", out, "--quiet")
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert "checkpoint iter-000002 could not be written: a file could not be written whole" in text
+    assert "iter-000001, is intact" in text and f"cory-lora resume '{out}'" in text
+    assert "internal error" not in text
+
+
+def test_a_file_too_large_writing_final_says_the_checkpoints_are_intact(workspace, monkeypatch):
+    from cory_lora.engine.model import Agents
+
+    real_save = Agents.save
+
+    def save(self, directory, names=None):
+        if ".final." in str(directory):
+            raise SafetensorError(SAFETENSORS_TOO_BIG)
+        return real_save(self, directory, names)
+
+    monkeypatch.setattr(Agents, "save", save)
+    root, recipe = workspace
+    out = root / "run"
+    result = invoke("run", recipe(train={"iterations": 1}), "--output-dir", out, "--quiet")
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert f"{out / 'final'} could not be written: File too large" in text
+    assert f"checkpoints are intact. Once that is fixed: cory-lora resume {out}" in text
+    assert not (out / "final").exists()
+    monkeypatch.setattr(Agents, "save", real_save)
+    resumed = invoke("resume", out, "--quiet")
+    assert resumed.exit_code == 0, resumed.output
+    assert (out / "final" / "llm1").is_dir()
+
+
+def test_an_export_to_a_read_only_place_is_one_line(run_copy, tmp_path, monkeypatch):
+    import errno
+
+    import cory_lora.integrations.export as export
+
+    def copy2(src, dst, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(dst))
+
+    monkeypatch.setattr(export.shutil, "copy2", copy2)
+    out = tmp_path / "exported"
+    result = invoke("export", run_copy, "-o", out)
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert f"the export {out} could not be written: Read-only file system" in text
+    assert "the run" in text and "is intact" in text
+    assert not out.exists() and not list(tmp_path.glob(".exported.*"))
+
+
+def test_a_full_disk_drawing_the_figure_says_the_run_is_complete(workspace, monkeypatch):
+    import errno
+
+    import cory_lora.science.plots
+
+    def plot_runs(run_dirs, out, smooth=10):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out))
+
+    monkeypatch.setattr(cory_lora.science.plots, "plot_runs", plot_runs)
+    root, recipe = workspace
+    out = root / "run"
+    result = invoke("run", recipe(train={"iterations": 1}), "--output-dir", out, "--quiet")
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert f"the figure {out / 'curves.png'} could not be written: No space left" in text
+    assert f"the run in {out} is complete" in text and "cory-lora plot" in text
+    assert (out / "final").is_dir()
+    plot = invoke("plot", out, "-o", root / "c.png")
+    assert plot.exit_code == 1 and "nothing else was changed" in " ".join(plot.output.split())
+
+
+def test_wrapped_machine_failures_are_recognised():
+    import errno
+
+    from cory_lora.errors import environment_error
+
+    assert environment_error(SafetensorError(SAFETENSORS_TOO_BIG)).errno == errno.EFBIG
+    assert environment_error(RuntimeError(TORCH_FULL)) is not None
+    assert environment_error(RuntimeError("something else")) is None
+    assert environment_error(OSError(errno.EROFS, "Read-only file system")).errno == errno.EROFS

@@ -40,6 +40,7 @@ from cory_lora.errors import (
     PEER_LOST_EXIT,
     Stopped,
     UserError,
+    environment_error,
     os_error_message,
 )
 from cory_lora.run.interrupts import STOP_EXIT_CODES, Interrupted, exit_code, stop_like_ctrl_c
@@ -140,6 +141,8 @@ def user_errors():
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
         _error(f"[bold yellow]stopped{f' ({e})' if str(e) else ''}.[/]", exit_code(e))
     except RuntimeError as e:
+        if (machine := environment_error(e)) is not None:  # torch.save's full disk
+            _error(f"[bold red]error:[/] {escape(os_error_message(machine, 'cannot go on'))}", 1)
         if not _lost_a_peer(e):
             _internal_error(e)
         _error(
@@ -152,6 +155,8 @@ def user_errors():
             _internal_error(e)
         _error(f"[bold red]error:[/] {escape(os_error_message(e, 'cannot go on'))}", 1)
     except Exception as e:
+        if (machine := environment_error(e)) is not None:  # safetensors' full disk
+            _error(f"[bold red]error:[/] {escape(os_error_message(machine, 'cannot go on'))}", 1)
         if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
             _error(  # outside the training loop, which says more: loading, eval, sample
                 "[bold red]error:[/] out of memory. Lower the recipe's sizes (lora.r, "
@@ -356,7 +361,6 @@ def _echo_and_train(config, source, path, start, quiet) -> None:
         quiet_libraries()
         from cory_lora.integrations.trackers import open_trackers
         from cory_lora.run.train import run as train_run
-        from cory_lora.science.plots import plot_runs
 
         display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
 
@@ -364,18 +368,40 @@ def _echo_and_train(config, source, path, start, quiet) -> None:
             return open_trackers(config, run_dir.path, resume=resume, done=done)
 
         train_run(config, run_dir, display, resume=resume, open_sink=open_sink)
-        plot_runs([run_dir.path], run_dir.path / "curves.png")
+        draw_figure([run_dir.path], run_dir.path / "curves.png", finished=run_dir.path)
+    except UserError:
+        raise
     except KeyboardInterrupt:  # before the loop's own handler (model loading), or after it
         from cory_lora.run.checkpoint import stopped_message
 
         raise Stopped(stopped_message(path, at_once=False)) from None
-    except OSError as e:  # a full disk or a permission, writing the logs, say
-        if e.errno not in ENVIRONMENT_ERRNOS:
+    except Exception as error:  # a full disk or a permission, writing the logs, say
+        e = environment_error(error)
+        if e is None:
             raise
         from cory_lora.run.checkpoint import what_is_left
 
         message = f"{os_error_message(e, 'the run stopped')}; {what_is_left(path)}"
         raise UserError(message) from None
+
+
+def draw_figure(run_dirs: list[Path], out: Path, smooth: int = 10, finished: Path | None = None):
+    """plot_runs; a full disk (read-only folder, file-size limit) is one line saying what is
+    intact and the command that draws the figure again."""
+    from cory_lora.science.plots import plot_runs
+
+    try:
+        return plot_runs(run_dirs, out, smooth)
+    except Exception as error:
+        e = environment_error(error)
+        if e is None:
+            raise
+        intact = f"the run in {finished} is complete" if finished else "nothing else was changed"
+        again = cli("plot", *run_dirs, "-o", out)
+        raise UserError(
+            f"{os_error_message(e, f'the figure {out} could not be written')}; {intact}. Once "
+            f"that is fixed: {again}"
+        ) from None
 
 
 def default_output_dir(recipe_path: Path) -> Path:
@@ -502,9 +528,7 @@ def plot(
 ) -> None:
     """Training curves of several runs in one figure, and their reward-KL plane."""
     with user_errors():
-        from cory_lora.science.plots import plot_runs
-
-        path = plot_runs([d.expanduser() for d in run_dirs], out.expanduser(), max(1, smooth))
+        path = draw_figure([d.expanduser() for d in run_dirs], out.expanduser(), max(1, smooth))
     console.print(f"written {path}", highlight=False, markup=False)
 
 

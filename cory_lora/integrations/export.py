@@ -29,7 +29,7 @@ from cory_lora.engine.model import (
     looks_like_a_path,
     read_model_config,
 )
-from cory_lora.errors import UserError, first_line
+from cory_lora.errors import UserError, environment_error, first_line, os_error_message
 from cory_lora.run.atomic import atomic_directory
 from cory_lora.run.records import read_json, read_metrics
 from cory_lora.science.evaluate import samples_each
@@ -62,6 +62,23 @@ def export_agent(
             f"output directory {str(out)!r} already exists; choose another -o (export never "
             "overwrites)"
         )
+    try:
+        _write_export(recipe, run_dir, adapter, agent, out, merge, device)
+    except Exception as error:  # safetensors and torch wrap a full disk in their own types
+        e = environment_error(error)
+        if e is None:
+            raise
+        raise UserError(
+            os_error_message(e, f"the export {out} could not be written")
+            + f"; nothing was written there, and the run {run_dir} is intact. Once that is "
+            "fixed (or with -o on another disk), export again"
+        ) from None
+    return out
+
+
+def _write_export(
+    recipe: Recipe, run_dir: Path, adapter: Path, agent: str, out: Path, merge: bool, device: str
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(out) as tmp:  # built beside `out`, renamed into place when whole
         if merge:
@@ -75,7 +92,6 @@ def export_agent(
         card = model_card(recipe, run_dir, agent, merged=merge, dtype=dtype)
         (tmp / "README.md").write_text(card, encoding="utf-8")
         _shareable(tmp)
-    return out
 
 
 def _check_adapter(run_dir: Path, adapter: Path) -> None:

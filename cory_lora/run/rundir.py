@@ -15,10 +15,11 @@ import shutil
 from pathlib import Path
 
 from cory_lora.config import Recipe, recipe_toml
-from cory_lora.errors import UserError
+from cory_lora.errors import UserError, environment_error, os_error_message
 from cory_lora.run.atomic import atomic_directory, atomic_write_text
 from cory_lora.run.lock import LOCK_FILE, RunLock, make_directory
 from cory_lora.run.records import LOG_SNAPSHOT, append_jsonl, log_damage, restore_logs
+from cory_lora.services.distributed import cli
 
 CHECKPOINTS = "checkpoints"
 
@@ -213,9 +214,21 @@ class RunDir:
         return f"warning: {damage}; they are restored from the checkpoint's copy"
 
     def save_final(self, agents) -> Path:
-        """Write final/<agent>/ atomically."""
-        with atomic_directory(self.path / "final") as tmp:
-            agents.save(tmp)
+        """Write final/<agent>/ atomically. A full disk (file-size limit, read-only mount) is
+        one UserError saying that the checkpoints are intact and how to write final/ again."""
+        try:
+            with atomic_directory(self.path / "final") as tmp:
+                agents.save(tmp)
+        except Exception as error:  # safetensors wraps a full disk in its own type
+            e = environment_error(error)
+            if e is None:
+                raise
+            raise UserError(
+                os_error_message(e, f"{self.path / 'final'} could not be written")
+                + "; the run's checkpoints are intact. Once that is fixed: "
+                + cli("resume", self.path)
+                + " writes it"
+            ) from None
         return self.path / "final"
 
     def discard_if_empty_run(self) -> None:
