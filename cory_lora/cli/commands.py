@@ -683,10 +683,14 @@ def fetch_(
     from cory_lora.services import fetch
 
     with user_errors():
-        say = lambda text: console.print(text, highlight=False, markup=False)  # noqa: E731
-        already = fetch.is_complete(name) if name in fetch.MODELS else False
-        path = fetch.fetch(name, say)
-    if already:
+        said = []
+
+        def say(text: str) -> None:
+            said.append(text)
+            console.print(text, highlight=False, markup=False)
+
+        path = fetch.fetch(name, say, full_check=True)  # every file's sha256, against its record
+    if not said:
         console.print(f"{name} is already fetched: {path}", highlight=False, markup=False)
     console.print(
         f'use it with model.name_or_path = "{fetch.PREFIX}{name}" (or the directory itself)',
