@@ -377,3 +377,104 @@ def test_a_second_fetch_says_that_it_waits_for_the_first(pretend_cache):
         fcntl.flock(held, fcntl.LOCK_UN)
     waiter.join(30)
     assert fetch.is_complete("pretend")
+
+
+# 5. Rewards over HTTP and odd reward values --------------------------------------------------
+
+
+class CutShortServer:
+    """Answers its first request with a body cut short of its Content-Length (a connection lost
+    mid-answer), then `body` to every request."""
+
+    def __init__(self, body: str, cut_first: bool = True):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.requests = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                server.requests += 1
+                data = body.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data) + 50 * (server.requests == 1)))
+                self.end_headers()
+                self.wfile.write(data if server.requests > 1 or not cut_first else data[:3])
+                self.close_connection = True
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_connection_lost_mid_answer_is_tried_again(monkeypatch):
+    from cory_lora.rewards import http as http_module
+
+    monkeypatch.setattr(http_module, "RETRY_WAIT_S", 0.01)
+    server = CutShortServer("[1.0, 0.5]")
+    try:
+        values = http_module.http_reward(["a", "b"], ["x", "y"], url=server.url, retries=2)
+    finally:
+        server.close()
+    assert values == [1.0, 0.5] and server.requests == 2
+
+
+def test_a_server_answering_nothing_usable_is_refused_before_training(monkeypatch):
+    from cory_lora.config import RewardConfig
+    from cory_lora.errors import UserError
+    from cory_lora.rewards import load_reward
+
+    server = CutShortServer("[NaN, null]", cut_first=False)
+    try:
+        reward = load_reward(RewardConfig(function="http_reward", url=server.url))
+        with pytest.raises(UserError) as e:
+            reward.probe(["1+1=", "2+2="], {})
+    finally:
+        server.close()
+    text = str(e.value)
+    assert "returned no usable score in a trial call" in text and "0: nan, 1: null" in text
+
+
+def test_odd_reward_values_are_named_for_what_they_are():
+    from decimal import Decimal
+    from fractions import Fraction
+
+    import numpy as np
+
+    from cory_lora.errors import RewardError
+
+    values = [None, 1e308, float("inf"), 10**400, Decimal("0.25"), Fraction(1, 4), np.float64(2)]
+
+    def odd(prompts, completions, **kw):
+        return values
+
+    scores, unusable = Reward("mod:odd", odd).score(["q"] * 7, ["c"] * 7, {})
+    assert scores[4:].tolist() == [0.25, 0.25, 2.0]
+    assert unusable == {
+        0: "null",
+        1: "1e+308: beyond float32",
+        2: "inf",
+        3: "an integer of 1329 bits: beyond float32",
+    }
+    with pytest.raises(RewardError, match="a complex, a complex number; expected a real number"):
+        Reward("mod:c", lambda prompts, completions, **kw: [1j]).score(["q"], ["c"], {})
+
+
+def test_the_skip_warning_names_what_the_reward_returned(tiny_recipe):
+    import torch
+
+    from cory_lora.algorithm.cory import Episode
+
+    episode = Episode(None, None, [], [], [torch.tensor([1.0, float("nan")])], 0, ({1: "null"},))
+    problem = episode.reward_problem(torch.tensor([1.0, float("nan")]), "mod:r")
+    assert problem == "reward 'mod:r' returned NaN/inf for the pioneer's answers [1] (1: null)"

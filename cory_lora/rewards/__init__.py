@@ -29,6 +29,7 @@ import sysconfig
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 import torch
 
@@ -97,17 +98,32 @@ class Reward:
         that import, download, column or return-type problems surface before training (NaN
         values are allowed here: they are judged in training)."""
         try:
-            self(prompts, list(prompts), columns)
+            _, unusable = self.score(prompts, list(prompts), columns)
         except RewardError as e:
             raise UserError(
                 f"{e} (in a trial call on the first prompts, before training)"
             ) from None
+        if prompts and len(unusable) == len(prompts):  # nothing a run could learn from
+            raise UserError(
+                f"reward {self.name!r} returned no usable score in a trial call on the first "
+                f"prompts, before training ({describe_unusable(unusable)}); a run would learn "
+                "nothing. Check the reward (for reward.url, its server)"
+            )
 
     def __call__(
         self, prompts: list[str], completions: list[str], columns: dict[str, list]
     ) -> torch.Tensor:
-        """Score completions: float32 [B], NaN where the reward gave None or a non-finite value.
-        Raises RewardError (naming the sample) for an exception, a wrong length or a non-number."""
+        """Score completions: float32 [B], NaN where the reward gave no usable number."""
+        return self.score(prompts, completions, columns)[0]
+
+    def score(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list]
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        """Score completions: float32 [B], NaN where the reward gave None, NaN, inf or a number
+        beyond float32; and what each such value was, by sample ("null", "nan", "1e+308: beyond
+        float32"). Any real number type is taken (int of any size, float, Decimal, Fraction,
+        NumPy and one-element tensors). Raises RewardError (naming the sample) for an
+        exception, a wrong length or a value that is not a real number."""
         # The reward is user code: it gets copies, so an in-place clean-up
         # (`completions[i] = c.strip()`) cannot change the observer's input, the other rewards
         # or samples.jsonl; lists of short strings are cheap to copy.
@@ -156,18 +172,23 @@ class Reward:
                 f"reward {self.name!r} returned {len(values)} values "
                 f"for {len(completions)} completions"
             )
-        scores = []
+        scores, unusable = [], {}
         for i, v in enumerate(values):
             v = _as_scalar(v)
             # None (TRL: "no score for this one") and NaN/inf come back as NaN: the training
             # loop skips the update they would poison, with a warning naming the samples.
-            if v is not None and not isinstance(v, numbers.Real):  # "0.5" is not a number
+            if v is not None and not isinstance(v, (numbers.Real, Decimal)):  # "0.5" is not
+                kind = "a complex number" if isinstance(v, numbers.Number) else "not a number"
                 raise RewardError(
                     f"reward {self.name!r} returned {_short(v)} for sample {i} "
-                    f"(completion {completions[i]!r}): a {type(v).__name__}, expected a number"
+                    f"(completion {completions[i]!r}): a {type(v).__name__}, {kind}; "
+                    "expected a real number"
                 )
-            scores.append(math.nan if v is None else float(v))
-        return torch.tensor(scores, dtype=torch.float32)
+            value, problem = _as_float(v)
+            scores.append(value)
+            if problem:
+                unusable[i] = problem
+        return torch.tensor(scores, dtype=torch.float32), unusable
 
     def shaped(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
         """Prompts and completions in the form this reward takes."""
@@ -208,6 +229,37 @@ def user_frame(error: BaseException) -> str:
     ]
     frame = (own or frames)[-1]
     return f" ({frame.filename}, line {frame.lineno})"
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _as_float(value) -> tuple[float, str | None]:
+    """(the reward as a float, None) or (NaN, what it was: null, nan, inf, a number beyond
+    float32)."""
+    if value is None:
+        return math.nan, "null"
+    try:
+        number = float(value)
+    except OverflowError:  # an int (or Fraction) too large for any float
+        if isinstance(value, int):  # repr() of a huge int can itself fail
+            return math.nan, f"an integer of {value.bit_length()} bits: beyond float32"
+        return math.nan, f"{type(value).__name__} beyond float32"
+    except ValueError:  # Decimal('sNaN')
+        return math.nan, "nan"
+    if math.isnan(number):
+        return math.nan, "nan"
+    if math.isinf(number):
+        return math.nan, "inf" if number > 0 else "-inf"
+    if abs(number) > FLOAT32_MAX:  # would be inf in the float32 the loop computes in
+        return math.nan, f"{number:g}: beyond float32"
+    return number, None
+
+
+def describe_unusable(unusable: dict[int, str], limit: int = 8) -> str:
+    """`0: null, 3: inf, ...` for the first `limit` unusable samples."""
+    shown = ", ".join(f"{i}: {what}" for i, what in list(unusable.items())[:limit])
+    return shown + (", ..." if len(unusable) > limit else "")
 
 
 def _as_scalar(value):
