@@ -478,3 +478,100 @@ def test_the_skip_warning_names_what_the_reward_returned(tiny_recipe):
     episode = Episode(None, None, [], [], [torch.tensor([1.0, float("nan")])], 0, ({1: "null"},))
     problem = episode.reward_problem(torch.tensor([1.0, float("nan")]), "mod:r")
     assert problem == "reward 'mod:r' returned NaN/inf for the pioneer's answers [1] (1: null)"
+
+
+# 6. Several nodes ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nodes_meet_and_say_what_they_wait_for(capsys):
+    import threading
+
+    from cory_lora.cli.launch import Launch, meet
+
+    endpoint = f"127.0.0.1:{_free_port()}"
+    node0 = threading.Thread(target=meet, args=(Launch(1, 2, 0, endpoint), 30))
+    node0.start()
+    meet(Launch(1, 2, 1, endpoint), 30)
+    node0.join(30)
+    err = capsys.readouterr().err
+    assert f"node 0 of 2: waiting at {endpoint} for node(s) 1 (up to 30 s; Ctrl-C stops)" in err
+    assert f"node 1 of 2: waiting for node 0 at {endpoint} (up to 30 s; Ctrl-C stops)" in err
+    assert err.count("all 2 nodes are here: starting") == 2
+
+
+def test_a_busy_port_or_a_missing_node_is_one_line():
+    import socket
+
+    from cory_lora.cli.launch import Launch, meet
+    from cory_lora.errors import UserError
+
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(UserError, match=f"port {port} on this machine \\(node 0\\) is in use"):
+            meet(Launch(1, 2, 0, f"127.0.0.1:{port}"), 1)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    with pytest.raises(UserError, match=r"node\(s\) 1, 2 did not come to .* within 1 s"):
+        meet(Launch(1, 3, 0, endpoint), 1)
+    with pytest.raises(UserError, match=f"node 0 did not answer at {endpoint} within 1 s"):
+        meet(Launch(1, 2, 1, endpoint), 1)
+
+
+def test_sigterm_stops_a_node_waiting_for_its_peers(workspace):
+    import signal
+    import subprocess
+    import time
+
+    from .helpers import cli_command
+
+    root, recipe = workspace
+    endpoint = f"127.0.0.1:{_free_port()}"
+    command, env = cli_command(
+        "run", recipe(), "--output-dir", root / "run", "--quiet",
+        "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", endpoint,
+    )  # fmt: skip
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=root)
+    first = process.stderr.readline()
+    assert first.startswith(f"node 1 of 2: waiting for node 0 at {endpoint}"), first
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    rest = process.stderr.read()
+    assert process.wait(timeout=20) == 143
+    assert "Traceback" not in rest and len(rest.strip().splitlines()) == 1, rest
+    assert not (root / "run").exists()
+
+
+def test_a_failure_on_one_rank_only_is_reported_with_its_message(workspace):
+    import subprocess
+
+    from .helpers import cli_command
+
+    root, recipe = workspace
+    (root / "rank_reward.py").write_text(
+        "import os\n"
+        "def score(prompts, completions, **kw):\n"
+        "    if os.environ.get('RANK') == '1':\n"
+        "        raise ValueError('only rank 1 cannot score')\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    path = recipe(reward={"function": "rank_reward:score"})
+    command, env = cli_command(
+        "run", path, "--output-dir", root / "run", "--quiet", "--nproc-per-node", "2"
+    )
+    env = {**env, "OMP_NUM_THREADS": "1", "CORY_LORA_TRACEBACK": ""}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root, timeout=600)
+    assert done.returncode == 1, done.stderr[-2000:]
+    text = " ".join(done.stderr.split())
+    assert (
+        "rank 1 failed (exit code 1): reward 'rank_reward:score' raised ValueError: only " in text
+    )
+    assert "rank_reward.py, line 4)" in text

@@ -27,6 +27,7 @@ from rich.markup import escape
 
 from cory_lora.cli.console import make_console
 from cory_lora.cli.launch import (
+    RANK_LOGS,
     EndpointOpt,
     Launch,
     NnodesOpt,
@@ -130,7 +131,9 @@ def user_errors():
     except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
         raise  # an exit code already decided (typer's Exit is not click's)
     except UserError as e:
-        if console.quiet:  # a torchrun rank other than 0: rank 0 says it
+        if console.quiet:  # a torchrun rank other than 0: rank 0 says it ...
+            if os.environ.get(RANK_LOGS):  # ... and ours, in its log, for the launcher to show
+                print(f"error: {e}", file=sys.stderr, flush=True)
             raise typer.Exit(e.exit_code) from None
         if os.environ.get("CORY_LORA_TRACEBACK") and e.__cause__ is not None:
             traceback.print_exception(e.__cause__)  # user code's own error (a reward's), whole
