@@ -575,3 +575,45 @@ def test_a_failure_on_one_rank_only_is_reported_with_its_message(workspace):
         "rank 1 failed (exit code 1): reward 'rank_reward:score' raised ValueError: only " in text
     )
     assert "rank_reward.py, line 4)" in text
+
+
+# 7. Wrong targets ----------------------------------------------------------------------------
+
+
+def test_study_given_a_directory_says_what_to_type(tmp_path):
+    plain = invoke("study", tmp_path)
+    assert plain.exit_code == 1
+    assert "is a directory; name a study .toml file" in " ".join(plain.output.split())
+    (tmp_path / "study.json").write_text("{}")
+    made = invoke("study", tmp_path)
+    text = " ".join(made.output.split())
+    assert made.exit_code == 1 and "is a study directory" in text
+    assert f"cory-lora report {tmp_path}" in text and "no such file" not in text
+
+
+def test_push_to_hub_checks_the_repo_id_before_writing_anything(run_copy, tmp_path):
+    out = tmp_path / "exported"
+    for bad in ("not a repo!", "a/b/c", "-x/y"):
+        result = invoke("export", run_copy, "-o", out, "--push-to-hub", bad)
+        assert result.exit_code == 1 and "not a Hub repository id" in result.output, bad
+        assert not out.exists()
+
+
+def test_push_failures_are_advised_by_their_cause(monkeypatch):
+    from types import SimpleNamespace
+
+    from cory_lora.integrations.export import push_advice
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+    class HTTPError(Exception):
+        def __init__(self, status):
+            super().__init__(f"{status} error")
+            self.response = SimpleNamespace(status_code=status)
+
+    assert "log in again" in push_advice(HTTPError(401), "me/x")
+    assert "may not write to 'org'" in push_advice(HTTPError(403), "org/x")
+    assert "try again later" in push_advice(HTTPError(503), "me/x")
+    assert "cannot be reached" in push_advice(ConnectionError("refused"), "me/x")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert "HF_HUB_OFFLINE is set" in push_advice(ConnectionError("refused"), "me/x")

@@ -592,6 +592,8 @@ def study(
         from cory_lora.science.study import StudyRunner, default_study_dir, load_study
 
         study_file = study_file.expanduser()
+        if study_file.is_dir():
+            raise UserError(_a_directory_for_a_study(study_file))
         plan, runs = load_study(study_file, tuple(set_ or ()), nproc_per_node)
         path = default_study_dir(plan, str(output_dir.expanduser()) if output_dir else None)
         study_line = f"[bold]study[/] {escape(str(study_file))} -> [bold]{escape(str(path))}[/]"
@@ -615,6 +617,20 @@ def study(
             soft_wrap=True,
         )
         raise typer.Exit(1)
+
+
+def _a_directory_for_a_study(path: Path) -> str:
+    """`cory-lora study DIR`: what DIR is, and what to type instead."""
+    if (path / "study.json").is_file():
+        what = (
+            f"{str(path)!r} is a study directory; `cory-lora study` takes the study file it was "
+            f"made from: run {cli('study', 'STUDY.toml', '--output-dir', path)} to continue it, "
+            f"or {cli('report', path)} to rewrite its report"
+        )
+    else:
+        what = f"{str(path)!r} is a directory; name a study .toml file (such as studies/micro.toml)"
+    found = sorted(p.name for p in path.glob("*.toml"))[:5]
+    return what + (f" (study files there: {', '.join(found)})" if found else "")
 
 
 @app.command()
@@ -661,9 +677,11 @@ def export(
         check_remote_code(run_dir, trust_remote_code)
         if merge:
             quiet_libraries()
-        from cory_lora.integrations.export import export_agent
+        from cory_lora.integrations.export import check_repo_id, export_agent
         from cory_lora.integrations.export import push_to_hub as push
 
+        if push_to_hub:
+            check_repo_id(push_to_hub)  # before minutes of merging, not after
         path = export_agent(run_dir, agent, out, merge=merge, device=device)
         console.print(f"written {path}", highlight=False, markup=False)
         if push_to_hub:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -355,9 +357,58 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
             commit_message=f"cory-lora export of {Path(folder).name}",
         )
     except Exception as e:  # no network, no token, no permission: one message, the export stays
+        again = shlex.join(["huggingface-cli", "upload", repo_id, str(folder)])
         raise UserError(
             f"--push-to-hub {repo_id!r} failed ({first_line(e)}); the export is complete in "
-            f"{folder}; log in with `huggingface-cli login` (or set HF_TOKEN) and push again with "
-            f"`huggingface-cli upload {repo_id} {folder}`"
+            f"{folder}. {push_advice(e, repo_id)}, then push it with `{again}`"
         ) from None
     return str(url)
+
+
+def check_repo_id(repo_id: str) -> None:
+    """A Hub repository id that cannot exist is refused before anything is written."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    problem = None
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        problem = first_line(e)
+    if problem is None and repo_id.count("/") != 1:
+        problem = "expected user/name or organisation/name"
+    if problem:
+        raise UserError(f"--push-to-hub {repo_id!r}: not a Hub repository id ({problem})")
+
+
+def push_advice(error: Exception, repo_id: str) -> str:
+    """What to do about a failed push, by its cause."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set in this shell: unset it where the Hub is reachable"
+    if type(error).__name__ == "LocalTokenNotFoundError":
+        return "Log in with `huggingface-cli login` (or set HF_TOKEN)"
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    if status is None:  # "401 Client Error: Unauthorized for url ..." from older clients
+        found = re.search(r"\b([45]\d\d) (?:Client|Server) Error", str(error))
+        status = int(found.group(1)) if found else None
+    if status == 401:
+        return "The Hub did not accept your token: log in again (`huggingface-cli login`)"
+    if status == 403:
+        owner = repo_id.split("/")[0]
+        return (
+            f"Your token may not write to {owner!r}: use a token with write access, and a "
+            "namespace you own or belong to"
+        )
+    if status == 404:
+        return f"The Hub has no namespace {repo_id.split('/')[0]!r} for you: check the name"
+    if isinstance(status, int) and status >= 500:
+        return "The Hub had a problem of its own: try again later"
+    if (
+        isinstance(error, (ConnectionError, TimeoutError, OSError))
+        or "connect" in str(error).lower()
+    ):
+        return (
+            "The Hub cannot be reached from here (no network, a proxy?): push from a machine "
+            "that reaches it"
+        )
+    return "Check the message above"
