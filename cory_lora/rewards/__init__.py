@@ -178,11 +178,10 @@ class Reward:
             # None (TRL: "no score for this one") and NaN/inf come back as NaN: the training
             # loop skips the update they would poison, with a warning naming the samples.
             if v is not None and not isinstance(v, (numbers.Real, Decimal)):  # "0.5" is not
-                kind = "a complex number" if isinstance(v, numbers.Number) else "not a number"
+                wanted = "a real number" if isinstance(v, numbers.Number) else "a number"
                 raise RewardError(
                     f"reward {self.name!r} returned {_short(v)} for sample {i} "
-                    f"(completion {completions[i]!r}): a {type(v).__name__}, {kind}; "
-                    "expected a real number"
+                    f"(completion {completions[i]!r}): a {type(v).__name__}, expected {wanted}"
                 )
             value, problem = _as_float(v)
             scores.append(value)
