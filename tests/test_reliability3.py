@@ -617,3 +617,27 @@ def test_push_failures_are_advised_by_their_cause(monkeypatch):
     assert "cannot be reached" in push_advice(ConnectionError("refused"), "me/x")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert "HF_HUB_OFFLINE is set" in push_advice(ConnectionError("refused"), "me/x")
+
+
+# A new user's round -------------------------------------------------------------------------
+
+
+def test_a_model_file_cut_short_is_one_line(workspace, tiny_model_dir):
+    import shutil
+
+    root, recipe = workspace
+    cut = root / "cut-model"
+    shutil.copytree(tiny_model_dir, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    path = recipe(model={"name_or_path": str(cut)})
+    result = invoke("run", path, "--output-dir", root / "run", "--quiet")
+    assert result.exit_code == 1
+    assert "a safetensors file could not be read" in " ".join(result.output.split())
+    assert not (root / "run").exists()
+
+
+def test_resume_given_a_file_says_it_takes_a_directory(workspace):
+    _, recipe = workspace
+    result = invoke("resume", recipe())
+    assert result.exit_code == 1 and "is a file; resume takes a run directory" in result.output

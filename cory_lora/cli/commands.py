@@ -42,6 +42,7 @@ from cory_lora.errors import (
     Stopped,
     UserError,
     environment_error,
+    first_line,
     os_error_message,
 )
 from cory_lora.run.interrupts import STOP_EXIT_CODES, Interrupted, exit_code, stop_like_ctrl_c
@@ -160,6 +161,14 @@ def user_errors():
     except Exception as e:
         if (machine := environment_error(e)) is not None:  # safetensors' full disk
             _error(f"[bold red]error:[/] {escape(os_error_message(machine, 'cannot go on'))}", 1)
+        if type(e).__name__ == "SafetensorError" and "deserializ" in str(e):
+            _error(  # a weights file cut short (a copy, a full disk) where a model is loaded
+                "[bold red]error:[/] a safetensors file could not be read "
+                f"({escape(first_line(e))}): it is cut short or damaged. Check the files of "
+                "model.name_or_path (a fetched model: cory-lora fetch NAME checks them and "
+                "fetches it again)",
+                1,
+            )
         if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
             _error(  # outside the training loop, which says more: loading, eval, sample
                 "[bold red]error:[/] out of memory. Lower the recipe's sizes (lora.r, "

@@ -79,6 +79,11 @@ def nothing_to_resume(path: Path, why: str) -> UserError:
 
 def check_holds_a_run(path: Path) -> None:
     """A directory to resume must hold a run (its config.toml)."""
+    if Path(path).is_file():
+        raise UserError(
+            f"{str(path)!r} is a file; resume takes a run directory (to continue a run with a "
+            "recipe: cory-lora run RECIPE --output-dir RUN_DIR --resume)"
+        )
     if not (Path(path) / "config.toml").is_file():
         raise nothing_to_resume(path, "it holds no run")
 
