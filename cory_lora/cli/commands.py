@@ -638,8 +638,7 @@ def _a_directory_for_a_study(path: Path) -> str:
         )
     else:
         what = f"{str(path)!r} is a directory; name a study .toml file (such as studies/micro.toml)"
-    found = sorted(p.name for p in path.glob("*.toml"))[:5]
-    return what + (f" (study files there: {', '.join(found)})" if found else "")
+    return what
 
 
 @app.command()
