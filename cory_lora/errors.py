@@ -7,6 +7,8 @@ a permission) this way, and anything else as an internal error (see `cli.user_er
 from __future__ import annotations
 
 import errno
+import os
+import re
 from typing import NamedTuple
 
 
@@ -59,6 +61,7 @@ ENVIRONMENT_ERRNOS = frozenset(
     {
         errno.ENOSPC,
         errno.EDQUOT,
+        errno.EFBIG,
         errno.EACCES,
         errno.EPERM,
         errno.EROFS,
@@ -71,6 +74,44 @@ ENVIRONMENT_ERRNOS = frozenset(
         errno.ELOOP,
     }
 )
+
+
+# Writers that are not Python's own file objects report a failed write in their own types:
+# safetensors (Rust) as SafetensorError("... I/O error: File too large (os error 27)"), torch.save
+# (C++) as RuntimeError("[enforce fail at inline_container.cc] . unexpected pos 704 vs 598") or
+# "PytorchStreamWriter failed writing file ...", with no errno at all.
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)|\[Errno (\d+)\]")
+_TORCH_WRITE_FAILED = ("PytorchStreamWriter failed", "unexpected pos", "file write failed")
+
+
+def as_os_error(error: BaseException) -> OSError | None:
+    """The failure of the machine inside `error`: itself if an OSError; an OSError rebuilt from
+    the errno that a library's own error type wraps (safetensors, torch.save); None when it is
+    not a failed write or read of the file system."""
+    if isinstance(error, OSError):
+        return error
+    inner = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    if isinstance(inner, OSError):
+        return inner
+    text = str(error)
+    found = _OS_ERROR_CODE.search(text)
+    if found:
+        code = int(next(g for g in found.groups() if g))
+        return OSError(code, os.strerror(code))
+    if isinstance(error, RuntimeError) and any(t in text for t in _TORCH_WRITE_FAILED):
+        # torch.save gives no reason: a full disk or a file-size limit, most likely
+        return OSError(
+            errno.EIO,
+            "a file could not be written whole (a full disk, a quota or a file-size limit?)",
+        )
+    return None
+
+
+def environment_error(error: BaseException) -> OSError | None:
+    """`as_os_error(error)` when it is one the user can fix (full disk, file too big, read-only,
+    permission): reported in one message, not as a bug."""
+    found = as_os_error(error)
+    return found if found is not None and found.errno in ENVIRONMENT_ERRNOS else None
 
 
 def os_error_message(error: OSError, doing: str) -> str:

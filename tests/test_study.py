@@ -155,7 +155,9 @@ def test_killed_study_resumes_skipping_finished_runs(study_file, tmp_path):
 def test_a_failing_run_is_recorded_and_the_study_goes_on(study_file, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "nan_reward.py").write_text(
-        "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
+        # usable in the trial call (completions = the prompts), NaN in training
+        "def nan(prompts, completions, **kw):\n"
+        "    return [0.0 if c == p else float('nan') for p, c in zip(prompts, completions)]\n"
     )
     arms = ARMS + '[arms.broken]\nreward = { function = "nan_reward:nan" }\n'
     path = study_file(arms, 'set = ["train.max_bad_updates=1"]').name

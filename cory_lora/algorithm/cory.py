@@ -34,7 +34,7 @@ from cory_lora.config import GenerationConfig, Recipe
 from cory_lora.engine.data import PromptSet, encode_prompts, format_prompt, render
 from cory_lora.engine.generation import Generation, Stopping, generate
 from cory_lora.engine.model import Agents
-from cory_lora.rewards import Reward
+from cory_lora.rewards import Reward, describe_unusable
 from cory_lora.services import distributed
 
 
@@ -105,6 +105,8 @@ class Episode:
     generations: list[Generation]  # per position: the answers
     rewards: list[torch.Tensor]  # per position: [B] task reward of the answers
     truncated_prompts: int  # prompts cut to data.max_prompt_tokens in this episode
+    # per position: what the reward gave for each unusable score (sample -> "null", "inf", ...)
+    unusable: tuple[dict[int, str], ...] = ()
 
     # The pair's names for positions 1 and N (None for the observer when alone).
     @property
@@ -170,7 +172,9 @@ class Episode:
         for k, rewards in enumerate(self.rewards):
             if not torch.isfinite(rewards).all():
                 bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-                parts.append(f"the {self._label(k)}'s answers {bad[:8]}")
+                what = self.unusable[k] if k < len(self.unusable) else {}
+                told = f" ({describe_unusable(what)})" if what else ""
+                parts.append(f"the {self._label(k)}'s answers {bad[:8]}{told}")
         return f"reward {reward_name!r} returned NaN/inf for {' and '.join(parts)}"
 
     def _label(self, position: int) -> str:
@@ -196,7 +200,7 @@ def play_episode(
         format_prompt(data.prompt_template, q, row)
         for q, row in zip(prompts.queries, rows, strict=True)
     ]
-    chain_prompts, generations, rewards, truncated = [], [], [], 0
+    chain_prompts, generations, rewards, unusable, truncated = [], [], [], [], 0
     for position, name in enumerate(roles.order):
         if position == 0 or not cory.transfer:  # no transfer: the plain query, as the pioneer
             texts = pioneer_prompts
@@ -217,9 +221,11 @@ def play_episode(
         generation, cut = _answer(agents, name, texts, recipe, stopping, generator)
         chain_prompts.append(list(texts))
         generations.append(generation)
-        rewards.append(reward(pioneer_prompts, generation.texts, prompts.columns))
+        scores, unusable_here = reward.score(pioneer_prompts, generation.texts, prompts.columns)
+        rewards.append(scores)
+        unusable.append(unusable_here)
         truncated += cut
-    return Episode(roles, prompts, chain_prompts, generations, rewards, truncated)
+    return Episode(roles, prompts, chain_prompts, generations, rewards, truncated, tuple(unusable))
 
 
 def _answer(agents, name, texts, recipe, stopping, generator) -> tuple[Generation, int]:

@@ -27,6 +27,7 @@ from rich.markup import escape
 
 from cory_lora.cli.console import make_console
 from cory_lora.cli.launch import (
+    RANK_LOGS,
     EndpointOpt,
     Launch,
     NnodesOpt,
@@ -40,10 +41,13 @@ from cory_lora.errors import (
     PEER_LOST_EXIT,
     Stopped,
     UserError,
+    environment_error,
+    first_line,
     os_error_message,
 )
 from cory_lora.run.interrupts import STOP_EXIT_CODES, Interrupted, exit_code, stop_like_ctrl_c
-from cory_lora.run.rundir import check_holds_a_run
+from cory_lora.run.rundir import check_holds_a_run, run_path
+from cory_lora.services.distributed import cli
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -128,8 +132,12 @@ def user_errors():
     except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
         raise  # an exit code already decided (typer's Exit is not click's)
     except UserError as e:
-        if console.quiet:  # a torchrun rank other than 0: rank 0 says it
+        if console.quiet:  # a torchrun rank other than 0: rank 0 says it ...
+            if os.environ.get(RANK_LOGS):  # ... and ours, in its log, for the launcher to show
+                print(f"error: {e}", file=sys.stderr, flush=True)
             raise typer.Exit(e.exit_code) from None
+        if os.environ.get("CORY_LORA_TRACEBACK") and e.__cause__ is not None:
+            traceback.print_exception(e.__cause__)  # user code's own error (a reward's), whole
         if e.exit_code not in STOP_EXIT_CODES:
             _error(f"[bold red]error:[/] {escape(str(e))}", e.exit_code)
         text = str(e) if str(e).startswith("stopped") else f"stopped: {e}"
@@ -137,6 +145,8 @@ def user_errors():
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
         _error(f"[bold yellow]stopped{f' ({e})' if str(e) else ''}.[/]", exit_code(e))
     except RuntimeError as e:
+        if (machine := environment_error(e)) is not None:  # torch.save's full disk
+            _error(f"[bold red]error:[/] {escape(os_error_message(machine, 'cannot go on'))}", 1)
         if not _lost_a_peer(e):
             _internal_error(e)
         _error(
@@ -149,6 +159,16 @@ def user_errors():
             _internal_error(e)
         _error(f"[bold red]error:[/] {escape(os_error_message(e, 'cannot go on'))}", 1)
     except Exception as e:
+        if (machine := environment_error(e)) is not None:  # safetensors' full disk
+            _error(f"[bold red]error:[/] {escape(os_error_message(machine, 'cannot go on'))}", 1)
+        if type(e).__name__ == "SafetensorError" and "deserializ" in str(e):
+            _error(  # a weights file cut short (a copy, a full disk) where a model is loaded
+                "[bold red]error:[/] a safetensors file could not be read "
+                f"({escape(first_line(e))}): it is cut short or damaged. Check the files of "
+                "model.name_or_path (a fetched model: cory-lora fetch NAME checks them and "
+                "fetches it again)",
+                1,
+            )
         if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in str(e):
             _error(  # outside the training loop, which says more: loading, eval, sample
                 "[bold red]error:[/] out of memory. Lower the recipe's sizes (lora.r, "
@@ -240,7 +260,7 @@ def run(
             raise UserError("--resume and --overwrite contradict each other: choose one")
         if resume and not (output_dir or config.train.output_dir):
             raise UserError("--resume needs --output-dir (the run to continue)")
-        path = output_dir or Path(config.train.output_dir or default_output_dir(recipe))
+        path = run_path(output_dir or config.train.output_dir or default_output_dir(recipe))
         spec = Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
         if spec.wanted:  # the ranks run this command, each with its share of the batch
             spec.check(config.ppo.batch_size, config.model.device)
@@ -271,6 +291,7 @@ def resume(
 ) -> None:
     """Continue a run from its newest checkpoint, with the recipe it saved (plus --set)."""
     with user_errors():
+        run_dir = run_path(run_dir)
         check_holds_a_run(run_dir)
         check_remote_code(run_dir, trust_remote_code)
         config = load_recipe(run_dir / "config.toml", set_ or [])
@@ -304,17 +325,15 @@ def _train(config, source: str, path: Path, overwrite: bool, quiet: bool, resume
         distributed.stop()
 
 
-GO, NOTHING_TO_DO, FAILED = 1, 0, -1  # rank 0's word to the other ranks before training
-
-
 def _train_follower(config, path: Path, resume: bool) -> None:
     from cory_lora.cli.console import Display
+    from cory_lora.run.handshake import GO, GO_FRESH, NOTHING_TO_DO, follow
     from cory_lora.run.rundir import FollowerRunDir
-    from cory_lora.services import distributed
 
-    word = distributed.from_main(GO)
-    if word != GO:
+    word = follow()  # rank 0 checks the run directory and decides
+    if word not in (GO, GO_FRESH):
         raise typer.Exit(0 if word == NOTHING_TO_DO else 1)
+    resume = resume and word == GO
     quiet_libraries()
     from cory_lora.run.train import run as train_run
 
@@ -323,58 +342,37 @@ def _train_follower(config, path: Path, resume: bool) -> None:
 
 def _train_main(config, source, path: Path, overwrite: bool, quiet: bool, resume: bool) -> None:
     from cory_lora.integrations.trackers import check_trackers
-    from cory_lora.run.rundir import RunDir
-    from cory_lora.services import distributed
+    from cory_lora.run.handshake import main_start
 
-    told = False
-
-    def tell(word: int) -> None:  # the other ranks (if any) wait for this before training
-        nonlocal told
-        if not told:
-            told = True
-            distributed.from_main(word)
-
-    try:
-        run_dir = RunDir(path, overwrite=overwrite, resume=resume)  # checks before model loading
-        check_trackers(config)  # a named tracker that is not installed: say so before loading
-        with run_dir.lock():  # this process is the directory's only writer until the run ends
-            warning = None
-            if resume:
-                from cory_lora.run.resume import check_resume
-
-                check = check_resume(run_dir, config)
-                if check.complete:
-                    tell(NOTHING_TO_DO)
-                    console.print(
-                        f"{escape(str(path))} already has its {check.done} iterations: nothing "
-                        "to do, nothing changed. Raise train.iterations (--set "
-                        "train.iterations=N) to extend it",
-                        highlight=False,
-                    )
-                    return
-                warning = check.warning
-            tell(GO)
-            _echo_and_train(config, source, path, run_dir, quiet, resume, warning)
-    finally:
-        tell(FAILED)  # a check failed: the other ranks stop too
+    # check_trackers: a named tracker that is not installed is said before loading
+    with main_start(config, path, overwrite, resume, lambda: check_trackers(config)) as start:
+        if start.nothing_to_do:
+            console.print(
+                f"{escape(str(path))} already has its {start.done} iterations: nothing "
+                "to do, nothing changed. Raise train.iterations (--set "
+                "train.iterations=N) to extend it",
+                highlight=False,
+            )
+            return
+        _echo_and_train(config, source, path, start, quiet)
 
 
-def _echo_and_train(config, source, path, run_dir, quiet, resume, warning) -> None:
+def _echo_and_train(config, source, path, start, quiet) -> None:
     from cory_lora.cli.console import Display
 
+    run_dir, resume = start.run_dir, start.resume
     verb = "resuming" if resume else "recipe"
     console.print(
         f"[bold]{verb}[/] {escape(source)} -> [bold]{escape(str(path))}[/]", highlight=False
     )
     if not quiet:  # the resolved recipe is also saved as config.toml in the run directory
         console.print(recipe_toml(config), highlight=False, markup=False)
-    if warning:
-        console.print(warning, highlight=False, markup=False)
+    for note in start.notes:
+        console.print(note, highlight=False, markup=False)
     try:
         quiet_libraries()
         from cory_lora.integrations.trackers import open_trackers
         from cory_lora.run.train import run as train_run
-        from cory_lora.science.plots import plot_runs
 
         display = Display(console, quiet=quiet, plain_every_s=config.log.plain_every_s)
 
@@ -382,18 +380,40 @@ def _echo_and_train(config, source, path, run_dir, quiet, resume, warning) -> No
             return open_trackers(config, run_dir.path, resume=resume, done=done)
 
         train_run(config, run_dir, display, resume=resume, open_sink=open_sink)
-        plot_runs([run_dir.path], run_dir.path / "curves.png")
+        draw_figure([run_dir.path], run_dir.path / "curves.png", finished=run_dir.path)
+    except UserError:
+        raise
     except KeyboardInterrupt:  # before the loop's own handler (model loading), or after it
         from cory_lora.run.checkpoint import stopped_message
 
         raise Stopped(stopped_message(path, at_once=False)) from None
-    except OSError as e:  # a full disk or a permission, writing the logs, say
-        if e.errno not in ENVIRONMENT_ERRNOS:
+    except Exception as error:  # a full disk or a permission, writing the logs, say
+        e = environment_error(error)
+        if e is None:
             raise
         from cory_lora.run.checkpoint import what_is_left
 
         message = f"{os_error_message(e, 'the run stopped')}; {what_is_left(path)}"
         raise UserError(message) from None
+
+
+def draw_figure(run_dirs: list[Path], out: Path, smooth: int = 10, finished: Path | None = None):
+    """plot_runs; a full disk (read-only folder, file-size limit) is one line saying what is
+    intact and the command that draws the figure again."""
+    from cory_lora.science.plots import plot_runs
+
+    try:
+        return plot_runs(run_dirs, out, smooth)
+    except Exception as error:
+        e = environment_error(error)
+        if e is None:
+            raise
+        intact = f"the run in {finished} is complete" if finished else "nothing else was changed"
+        again = cli("plot", *run_dirs, "-o", out)
+        raise UserError(
+            f"{os_error_message(e, f'the figure {out} could not be written')}; {intact}. Once "
+            f"that is fixed: {again}"
+        ) from None
 
 
 def default_output_dir(recipe_path: Path) -> Path:
@@ -432,6 +452,7 @@ def eval_(
     """Evaluate a finished run: each agent alone, the pair, and the base model."""
     from rich.table import Table
 
+    run_dir = run_dir.expanduser()
     with user_errors():
         check_remote_code(run_dir, trust_remote_code)
         try:
@@ -493,6 +514,7 @@ def sample(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Print an agent's answers to a prompt."""
+    run_dir = run_dir.expanduser()
     with user_errors():
         check_remote_code(run_dir, trust_remote_code)
         if n < 1:
@@ -518,9 +540,7 @@ def plot(
 ) -> None:
     """Training curves of several runs in one figure, and their reward-KL plane."""
     with user_errors():
-        from cory_lora.science.plots import plot_runs
-
-        path = plot_runs(run_dirs, out, max(1, smooth))
+        path = draw_figure([d.expanduser() for d in run_dirs], out.expanduser(), max(1, smooth))
     console.print(f"written {path}", highlight=False, markup=False)
 
 
@@ -580,8 +600,11 @@ def study(
         from cory_lora.science.report import write_report
         from cory_lora.science.study import StudyRunner, default_study_dir, load_study
 
+        study_file = study_file.expanduser()
+        if study_file.is_dir():
+            raise UserError(_a_directory_for_a_study(study_file))
         plan, runs = load_study(study_file, tuple(set_ or ()), nproc_per_node)
-        path = default_study_dir(plan, str(output_dir) if output_dir else None)
+        path = default_study_dir(plan, str(output_dir.expanduser()) if output_dir else None)
         study_line = f"[bold]study[/] {escape(str(study_file))} -> [bold]{escape(str(path))}[/]"
         console.print(study_line, highlight=False)
         try:
@@ -589,7 +612,7 @@ def study(
         except KeyboardInterrupt as e:
             raise Interrupted(
                 f"study interrupted; the run in progress checkpointed. Continue with: "
-                f"cory-lora study {study_file} --output-dir {path}",
+                f"{cli('study', study_file, '--output-dir', path)}",
                 exit_code(e) - 128,
             ) from None
         failed = [r for r in records.values() if r["status"] != "done"]
@@ -605,6 +628,19 @@ def study(
         raise typer.Exit(1)
 
 
+def _a_directory_for_a_study(path: Path) -> str:
+    """`cory-lora study DIR`: what DIR is, and what to type instead."""
+    if (path / "study.json").is_file():
+        what = (
+            f"{str(path)!r} is a study directory; `cory-lora study` takes the study file it was "
+            f"made from: run {cli('study', 'STUDY.toml', '--output-dir', path)} to continue it, "
+            f"or {cli('report', path)} to rewrite its report"
+        )
+    else:
+        what = f"{str(path)!r} is a directory; name a study .toml file (such as studies/micro.toml)"
+    return what
+
+
 @app.command()
 def report(
     study_dir: Annotated[
@@ -615,6 +651,7 @@ def report(
     with user_errors():
         from cory_lora.science.report import write_report
 
+        study_dir = study_dir.expanduser()
         write_report(study_dir)
     console.print(f"written {study_dir / 'report.md'}", highlight=False, markup=False)
 
@@ -643,13 +680,16 @@ def export(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Export one agent of a finished run: PEFT adapter or merged model, value head, card."""
+    run_dir, out = run_dir.expanduser(), out.expanduser()
     with user_errors():
         check_remote_code(run_dir, trust_remote_code)
         if merge:
             quiet_libraries()
-        from cory_lora.integrations.export import export_agent
+        from cory_lora.integrations.export import check_repo_id, export_agent
         from cory_lora.integrations.export import push_to_hub as push
 
+        if push_to_hub:
+            check_repo_id(push_to_hub)  # before minutes of merging, not after
         path = export_agent(run_dir, agent, out, merge=merge, device=device)
         console.print(f"written {path}", highlight=False, markup=False)
         if push_to_hub:
@@ -672,10 +712,14 @@ def fetch_(
     from cory_lora.services import fetch
 
     with user_errors():
-        say = lambda text: console.print(text, highlight=False, markup=False)  # noqa: E731
-        already = fetch.is_complete(name) if name in fetch.MODELS else False
-        path = fetch.fetch(name, say)
-    if already:
+        said = []
+
+        def say(text: str) -> None:
+            said.append(text)
+            console.print(text, highlight=False, markup=False)
+
+        path = fetch.fetch(name, say, full_check=True)  # every file's sha256, against its record
+    if not said:
         console.print(f"{name} is already fetched: {path}", highlight=False, markup=False)
     console.print(
         f'use it with model.name_or_path = "{fetch.PREFIX}{name}" (or the directory itself)',

@@ -13,6 +13,7 @@ int); for string fields a bare word is taken as the string itself (`--set model.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 import typing
@@ -38,7 +39,7 @@ from cory_lora.errors import ConfigError, Problem
 
 def load_recipe(path: str | Path, overrides: typing.Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe; raise one ConfigError listing every problem."""
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.is_dir():
         raise ConfigError(
             [Problem((), f"recipe {str(path)!r} is a directory; name a recipe .toml file")]
@@ -109,13 +110,36 @@ def recipe_from_dict(raw: dict, overrides: typing.Sequence[str] = ()) -> Recipe:
             name, cls, table if isinstance(table, dict) else {}, problems
         )
     per_agent = _agent_overrides(agent_tables, problems)
-    recipe = Recipe(**sections, agent_overrides=per_agent)
+    recipe = expand_home(Recipe(**sections, agent_overrides=per_agent))
     # A problem between keys that involves a key already reported would talk about a default
     # the user did not write: left out.
     reported = {key for p in problems for key in p.keys}
     problems.extend(c for c in cross_checks(recipe) if not reported.intersection(c.keys))
     if problems:
         raise ConfigError(problems)
+    return recipe
+
+
+# Keys that name a local path when they start with `~`: expanded once, here, so every check and
+# every reader sees the same path (a hub id never starts with `~`).
+PATH_KEYS = (
+    ("model", "name_or_path"),
+    ("data", "dataset"),
+    ("train", "output_dir"),
+    ("reward", "model"),
+)
+
+
+def expand_home(recipe: Recipe) -> Recipe:
+    """The recipe with `~` and `~user` expanded in its path keys (as a shell would have)."""
+    for section, key in PATH_KEYS:
+        table = getattr(recipe, section)
+        value = getattr(table, key)
+        if isinstance(value, str) and value.startswith("~"):
+            expanded = os.path.expanduser(value)
+            if expanded != value:
+                table = table.model_copy(update={key: expanded})
+                recipe = recipe.model_copy(update={section: table})
     return recipe
 
 

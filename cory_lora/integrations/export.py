@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -29,11 +31,12 @@ from cory_lora.engine.model import (
     looks_like_a_path,
     read_model_config,
 )
-from cory_lora.errors import UserError, first_line
+from cory_lora.errors import UserError, environment_error, first_line, os_error_message
 from cory_lora.run.atomic import atomic_directory
 from cory_lora.run.records import read_json, read_metrics
 from cory_lora.science.evaluate import samples_each
 from cory_lora.services import fetch
+from cory_lora.services.distributed import cli
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", VALUE_HEAD_FILE)
 
@@ -61,6 +64,23 @@ def export_agent(
             f"output directory {str(out)!r} already exists; choose another -o (export never "
             "overwrites)"
         )
+    try:
+        _write_export(recipe, run_dir, adapter, agent, out, merge, device)
+    except Exception as error:  # safetensors and torch wrap a full disk in their own types
+        e = environment_error(error)
+        if e is None:
+            raise
+        raise UserError(
+            os_error_message(e, f"the export {out} could not be written")
+            + f"; nothing was written there, and the run {run_dir} is intact. Once that is "
+            "fixed (or with -o on another disk), export again"
+        ) from None
+    return out
+
+
+def _write_export(
+    recipe: Recipe, run_dir: Path, adapter: Path, agent: str, out: Path, merge: bool, device: str
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_directory(out) as tmp:  # built beside `out`, renamed into place when whole
         if merge:
@@ -74,7 +94,6 @@ def export_agent(
         card = model_card(recipe, run_dir, agent, merged=merge, dtype=dtype)
         (tmp / "README.md").write_text(card, encoding="utf-8")
         _shareable(tmp)
-    return out
 
 
 def _check_adapter(run_dir: Path, adapter: Path) -> None:
@@ -99,7 +118,7 @@ def _check_adapter(run_dir: Path, adapter: Path) -> None:
     if problem:
         raise UserError(
             f"{problem}; nothing was exported. The run's checkpoints are intact: delete "
-            f"{run_dir / 'final'} and `cory-lora resume {run_dir}` writes it again"
+            f"{run_dir / 'final'} and `{cli('resume', run_dir)}` writes it again"
         )
 
 
@@ -118,7 +137,7 @@ def _finished_run(run_dir: Path) -> Recipe:
     if not (run_dir / "final").is_dir():
         raise UserError(
             f"{str(run_dir)!r}: the run has not finished (no final/ adapters); finish it with "
-            f"`cory-lora resume {run_dir}`, then export"
+            f"`{cli('resume', run_dir)}`, then export"
         )
     return load_recipe(run_dir / "config.toml")
 
@@ -338,9 +357,58 @@ def push_to_hub(folder: Path, repo_id: str, private: bool = False) -> str:
             commit_message=f"cory-lora export of {Path(folder).name}",
         )
     except Exception as e:  # no network, no token, no permission: one message, the export stays
+        again = shlex.join(["huggingface-cli", "upload", repo_id, str(folder)])
         raise UserError(
             f"--push-to-hub {repo_id!r} failed ({first_line(e)}); the export is complete in "
-            f"{folder}; log in with `huggingface-cli login` (or set HF_TOKEN) and push again with "
-            f"`huggingface-cli upload {repo_id} {folder}`"
+            f"{folder}. {push_advice(e, repo_id)}, then push it with `{again}`"
         ) from None
     return str(url)
+
+
+def check_repo_id(repo_id: str) -> None:
+    """A Hub repository id that cannot exist is refused before anything is written."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    problem = None
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        problem = first_line(e)
+    if problem is None and repo_id.count("/") != 1:
+        problem = "expected user/name or organisation/name"
+    if problem:
+        raise UserError(f"--push-to-hub {repo_id!r}: not a Hub repository id ({problem})")
+
+
+def push_advice(error: Exception, repo_id: str) -> str:
+    """What to do about a failed push, by its cause."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set in this shell: unset it where the Hub is reachable"
+    if type(error).__name__ == "LocalTokenNotFoundError":
+        return "Log in with `huggingface-cli login` (or set HF_TOKEN)"
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    if status is None:  # "401 Client Error: Unauthorized for url ..." from older clients
+        found = re.search(r"\b([45]\d\d) (?:Client|Server) Error", str(error))
+        status = int(found.group(1)) if found else None
+    if status == 401:
+        return "The Hub did not accept your token: log in again (`huggingface-cli login`)"
+    if status == 403:
+        owner = repo_id.split("/")[0]
+        return (
+            f"Your token may not write to {owner!r}: use a token with write access, and a "
+            "namespace you own or belong to"
+        )
+    if status == 404:
+        return f"The Hub has no namespace {repo_id.split('/')[0]!r} for you: check the name"
+    if isinstance(status, int) and status >= 500:
+        return "The Hub had a problem of its own: try again later"
+    if (
+        isinstance(error, (ConnectionError, TimeoutError, OSError))
+        or "connect" in str(error).lower()
+    ):
+        return (
+            "The Hub cannot be reached from here (no network, a proxy?): push from a machine "
+            "that reaches it"
+        )
+    return "Check the message above"

@@ -17,14 +17,19 @@ TRL does.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
 import math
 import numbers
+import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 
 import torch
 
@@ -93,21 +98,45 @@ class Reward:
         that import, download, column or return-type problems surface before training (NaN
         values are allowed here: they are judged in training)."""
         try:
-            self(prompts, list(prompts), columns)
+            _, unusable = self.score(prompts, list(prompts), columns)
         except RewardError as e:
             raise UserError(
                 f"{e} (in a trial call on the first prompts, before training)"
             ) from None
+        if prompts and len(unusable) == len(prompts):  # nothing a run could learn from
+            raise UserError(
+                f"reward {self.name!r} returned no usable score in a trial call on the first "
+                f"prompts, before training ({describe_unusable(unusable)}); a run would learn "
+                "nothing. Check the reward (for reward.url, its server)"
+            )
 
     def __call__(
         self, prompts: list[str], completions: list[str], columns: dict[str, list]
     ) -> torch.Tensor:
-        """Score completions: float32 [B], NaN where the reward gave None or a non-finite value.
-        Raises RewardError (naming the sample) for an exception, a wrong length or a non-number."""
-        given_prompts, given_completions = self.shaped(prompts, completions)
+        """Score completions: float32 [B], NaN where the reward gave no usable number."""
+        return self.score(prompts, completions, columns)[0]
+
+    def score(
+        self, prompts: list[str], completions: list[str], columns: dict[str, list]
+    ) -> tuple[torch.Tensor, dict[int, str]]:
+        """Score completions: float32 [B], NaN where the reward gave None, NaN, inf or a number
+        beyond float32; and what each such value was, by sample ("null", "nan", "1e+308: beyond
+        float32"). Any real number type is taken (int of any size, float, Decimal, Fraction,
+        NumPy and one-element tensors). Raises RewardError (naming the sample) for an
+        exception, a wrong length or a value that is not a real number."""
+        # The reward is user code: it gets copies, so an in-place clean-up
+        # (`completions[i] = c.strip()`) cannot change the observer's input, the other rewards
+        # or samples.jsonl; lists of short strings are cheap to copy.
+        given_prompts, given_completions = self.shaped(list(prompts), list(completions))
+        given_columns = {name: copy.deepcopy(values) for name, values in columns.items()}
+        cwd = os.getcwd()
         try:
             with torch.no_grad():
-                values = self.fn(prompts=given_prompts, completions=given_completions, **columns)
+                values = self.fn(
+                    prompts=copy.deepcopy(given_prompts),
+                    completions=copy.deepcopy(given_completions),
+                    **given_columns,
+                )
         except RewardError:
             raise  # already says what went wrong (an HTTP reward's server, say)
         except SystemExit as e:  # would end the whole run, silently, with the reward's code
@@ -123,7 +152,12 @@ class Reward:
                     '[{"role": "assistant", "content": ...}]; set reward.completion_format = '
                     '"text" for plain strings)'
                 )
-            raise RewardError(f"reward {self.name!r} raised {type(e).__name__}: {e}{hint}") from e
+            raise RewardError(
+                f"reward {self.name!r} raised {type(e).__name__}: {e}{user_frame(e)}{hint}"
+            ) from e
+        finally:
+            if _cwd_moved(cwd):  # a code-running reward's os.chdir must not move the run
+                os.chdir(cwd)
         if isinstance(values, torch.Tensor) and values.ndim >= 1:
             values = values.detach().cpu().flatten().tolist()
         elif type(values).__module__ == "numpy" and getattr(values, "ndim", 0) >= 1:
@@ -138,18 +172,22 @@ class Reward:
                 f"reward {self.name!r} returned {len(values)} values "
                 f"for {len(completions)} completions"
             )
-        scores = []
+        scores, unusable = [], {}
         for i, v in enumerate(values):
             v = _as_scalar(v)
             # None (TRL: "no score for this one") and NaN/inf come back as NaN: the training
             # loop skips the update they would poison, with a warning naming the samples.
-            if v is not None and not isinstance(v, numbers.Real):  # "0.5" is not a number
+            if v is not None and not isinstance(v, (numbers.Real, Decimal)):  # "0.5" is not
+                wanted = "a real number" if isinstance(v, numbers.Number) else "a number"
                 raise RewardError(
                     f"reward {self.name!r} returned {_short(v)} for sample {i} "
-                    f"(completion {completions[i]!r}): a {type(v).__name__}, expected a number"
+                    f"(completion {completions[i]!r}): a {type(v).__name__}, expected {wanted}"
                 )
-            scores.append(math.nan if v is None else float(v))
-        return torch.tensor(scores, dtype=torch.float32)
+            value, problem = _as_float(v)
+            scores.append(value)
+            if problem:
+                unusable[i] = problem
+        return torch.tensor(scores, dtype=torch.float32), unusable
 
     def shaped(self, prompts: list[str], completions: list[str]) -> tuple[list, list]:
         """Prompts and completions in the form this reward takes."""
@@ -160,6 +198,67 @@ class Reward:
             [[*system, {"role": "user", "content": p}] for p in prompts],
             [[{"role": "assistant", "content": c}] for c in completions],
         )
+
+
+def _cwd_moved(cwd: str) -> bool:
+    try:
+        return os.getcwd() != cwd
+    except OSError:  # the reward removed the directory it moved to
+        return True
+
+
+LIBRARY_DIRS = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+)
+
+
+def user_frame(error: BaseException) -> str:
+    """` (file, line N)`: where user code raised `error`: the innermost frame outside the
+    standard library, installed packages and cory-lora (a reward that raises inside a library
+    call is named at its own line), else the innermost frame."""
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is our call of the reward
+    if not frames:
+        return ""
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = [
+        f
+        for f in frames
+        if not os.path.abspath(f.filename).startswith((*LIBRARY_DIRS, ours))
+        and not f.filename.startswith("<frozen")
+    ]
+    frame = (own or frames)[-1]
+    return f" ({frame.filename}, line {frame.lineno})"
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _as_float(value) -> tuple[float, str | None]:
+    """(the reward as a float, None) or (NaN, what it was: null, nan, inf, a number beyond
+    float32)."""
+    if value is None:
+        return math.nan, "null"
+    try:
+        number = float(value)
+    except OverflowError:  # an int (or Fraction) too large for any float
+        if isinstance(value, int):  # repr() of a huge int can itself fail
+            return math.nan, f"an integer of {value.bit_length()} bits: beyond float32"
+        return math.nan, f"{type(value).__name__} beyond float32"
+    except ValueError:  # Decimal('sNaN')
+        return math.nan, "nan"
+    if math.isnan(number):
+        return math.nan, "nan"
+    if math.isinf(number):
+        return math.nan, "inf" if number > 0 else "-inf"
+    if abs(number) > FLOAT32_MAX:  # would be inf in the float32 the loop computes in
+        return math.nan, f"{number:g}: beyond float32"
+    return number, None
+
+
+def describe_unusable(unusable: dict[int, str], limit: int = 8) -> str:
+    """`0: null, 3: inf, ...` for the first `limit` unusable samples."""
+    shown = ", ".join(f"{i}: {what}" for i, what in list(unusable.items())[:limit])
+    return shown + (", ..." if len(unusable) > limit else "")
 
 
 def _as_scalar(value):

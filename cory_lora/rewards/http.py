@@ -7,13 +7,17 @@ Request (one per `reward.batch_size` completions), `Content-Type: application/js
 Answer: HTTP 200 with a JSON list of numbers (or null: no score for that one), one per
 completion, or an object `{"rewards": [...]}` holding that list.
 
-A timeout, a refused or lost connection, HTTP 408, 429 and 5xx are tried again `reward.retries`
-times, waiting 1 s, 2 s, 4 s, ... in between; any other failure is final at once. Failures raise
-`RewardError` naming the URL and the HTTP status. Standard library only (urllib).
+A timeout, a refused or lost connection (also one dropped in the middle of the answer: a
+reset, or an answer cut short of its Content-Length), HTTP 408, 429 and 5xx are tried again
+`reward.retries` times, waiting 1 s, 2 s, 4 s, ... in between; any other failure is final at
+once. JSON `null` is "no score" (as None), and the values are judged as any reward's are:
+null, NaN (`NaN` is read), inf or a number beyond float32 are named for what they are.
+Failures raise `RewardError` naming the URL and the HTTP status. Standard library only (urllib).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -96,7 +100,10 @@ def _send(request: urllib.request.Request, url: str, timeout_s: float) -> str:
             ) from None
         raise _Retry(f"{where}: cannot connect ({reason})") from None
     except OSError as e:  # reset or closed mid-answer
-        raise _Retry(f"{where}: the connection failed ({e})") from None
+        raise _Retry(f"{where}: the connection failed ({e or type(e).__name__})") from None
+    except http.client.HTTPException as e:  # an answer cut short (IncompleteRead), a bad status
+        what = type(e).__name__
+        raise _Retry(f"{where}: the connection was lost mid-answer ({what}: {e})") from None
 
 
 def _rewards(text: str, url: str, expected: int) -> list:

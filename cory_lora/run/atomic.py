@@ -52,7 +52,9 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     try:
         yield tmp
         fsync_tree(tmp)
-        if path.exists():
+        if path.is_symlink():  # replaced by a directory of ours; what it pointed at is kept
+            path.unlink()
+        elif path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
         fsync_dir(path.parent)

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from cory_lora.algorithm.state import TrainerState
 from cory_lora.engine.model import Agents
-from cory_lora.errors import ENVIRONMENT_ERRNOS, UserError, os_error_message
+from cory_lora.errors import UserError, environment_error, os_error_message
 from cory_lora.run.atomic import atomic_directory
 from cory_lora.run.records import LOG_SNAPSHOT, snapshot_logs
 from cory_lora.run.rundir import CHECKPOINTS, checkpoint_name
@@ -66,7 +66,7 @@ def what_is_left(run_dir: Path) -> str:
     if checkpoints:
         return (
             f"the last complete checkpoint, {checkpoints[-1].name}, is intact; resume with "
-            f"`cory-lora resume {run_dir}`"
+            f"`{distributed.cli('resume', run_dir)}`"
         )
     if (Path(run_dir) / "metrics.jsonl").exists():
         return (
@@ -87,8 +87,9 @@ def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: in
         return Path(run_dir) / CHECKPOINTS / checkpoint_name(state.iteration)
     try:
         path = _save_checkpoint(Path(run_dir), agents, state, keep, rng)
-    except OSError as e:
-        if e.errno not in ENVIRONMENT_ERRNOS:
+    except Exception as error:  # torch.save and safetensors wrap a full disk in their own types
+        e = environment_error(error)
+        if e is None:
             raise
         older = list_checkpoints(run_dir)
         kept = (
@@ -100,7 +101,7 @@ def save_checkpoint(run_dir: Path, agents: Agents, state: TrainerState, keep: in
             os_error_message(
                 e, f"checkpoint {checkpoint_name(state.iteration)} could not be written"
             )
-            + f"; {kept}. Once that is fixed: cory-lora resume {run_dir}"
+            + f"; {kept}. Once that is fixed: {distributed.cli('resume', run_dir)}"
         ) from None
     distributed.barrier()
     return path

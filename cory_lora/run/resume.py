@@ -101,11 +101,12 @@ class ResumeCheck:
     done: int  # iterations completed at the newest checkpoint
     complete: bool  # the run already has its iterations and final/: nothing to do, touch nothing
     warning: str | None  # damage in the live logs that the resume mends from the checkpoint
+    fresh: bool = False  # no checkpoint of this run yet: nothing to lose, start it afresh
 
 
 def check_resume(run_dir: RunDir, recipe: Recipe) -> ResumeCheck:
     """Check a resume with `recipe` before it loads anything. Raises UserError when the recipe
-    describes another run, when there is no checkpoint, when the newest one is past
+    describes another run, when the newest one is past
     train.iterations (a resume cannot undo iterations, and training nothing while recording the
     lower count would falsify the record of what ran), or when the logs are damaged beyond what
     the checkpoint can mend."""
@@ -118,11 +119,8 @@ def check_resume(run_dir: RunDir, recipe: Recipe) -> ResumeCheck:
             "adapters, but a resume needs a checkpoint's optimizer and random states); to train "
             "longer, start a new run"
         )
-    if not checkpoints:
-        raise UserError(
-            f"nothing to resume in {run_dir.path}: it has no checkpoint (the run stopped before "
-            "its first one); start it again with --overwrite"
-        )
+    if not checkpoints:  # stopped before its first checkpoint (a requeued job, say)
+        return ResumeCheck(0, False, None, fresh=True)
     done = completed(checkpoints[-1])
     if done > iterations:
         raise UserError(

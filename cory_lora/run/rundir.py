@@ -10,14 +10,16 @@ nothing.
 from __future__ import annotations
 
 import fnmatch
+import os
 import shutil
 from pathlib import Path
 
 from cory_lora.config import Recipe, recipe_toml
-from cory_lora.errors import UserError
+from cory_lora.errors import UserError, environment_error, os_error_message
 from cory_lora.run.atomic import atomic_directory, atomic_write_text
 from cory_lora.run.lock import LOCK_FILE, RunLock, make_directory
 from cory_lora.run.records import LOG_SNAPSHOT, append_jsonl, log_damage, restore_logs
+from cory_lora.services.distributed import cli
 
 CHECKPOINTS = "checkpoints"
 
@@ -42,12 +44,46 @@ RUN_FILES = (
 )
 
 
+def run_path(path: str | Path) -> Path:
+    """A run directory's path as every writer uses it: `~` expanded, absolute (not resolved: a
+    symlinked directory keeps the name the user gave it)."""
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a directory tree; a symbolic link is removed itself, never followed (a
+    run's `final` linked to elsewhere loses the link, not what it points at)."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)  # does not follow links inside the tree either
+
+
+def check_removable(path: Path) -> None:
+    """UserError unless `remove(path)` can delete all of it (checked before anything is
+    deleted, so `--overwrite` never leaves half an old run)."""
+    folders = [path.parent]
+    if path.is_dir() and not path.is_symlink():
+        folders += [Path(root) for root, _, _ in os.walk(path, followlinks=False)]
+    for folder in folders:
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise UserError(
+                f"--overwrite refused: {str(folder)!r} cannot be changed (no permission to "
+                "delete what it holds); nothing was deleted"
+            )
+
+
 def nothing_to_resume(path: Path, why: str) -> UserError:
     return UserError(f"nothing to resume in {str(path)!r}: {why}")
 
 
 def check_holds_a_run(path: Path) -> None:
     """A directory to resume must hold a run (its config.toml)."""
+    if Path(path).is_file():
+        raise UserError(
+            f"{str(path)!r} is a file; resume takes a run directory (to continue a run with a "
+            "recipe: cory-lora run RECIPE --output-dir RUN_DIR --resume)"
+        )
     if not (Path(path) / "config.toml").is_file():
         raise nothing_to_resume(path, "it holds no run")
 
@@ -61,7 +97,9 @@ class RunDir:
     """
 
     def __init__(self, path: Path, overwrite: bool = False, resume: bool = False):
-        self.path, self.overwrite, self.resume, self.created = Path(path), overwrite, resume, False
+        # Absolute once, here: user code (a reward calling os.chdir) cannot move the run's writes.
+        self.path = run_path(path)
+        self.overwrite, self.resume, self.created = overwrite, resume, False
         self._check()
 
     def _check(self, locked: bool = False) -> None:
@@ -118,10 +156,18 @@ class RunDir:
             raise
         return lock
 
+    def start_afresh(self) -> None:
+        """A resume that found no checkpoint of this run: start it from the beginning, replacing
+        what the stopped attempt wrote (checked as `--overwrite` checks)."""
+        self.resume, self.overwrite = False, True
+        self._check(locked=True)
+
     def open(self) -> RunDir:
-        for name in self._existing():
-            target = self.path / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        doomed = [self.path / name for name in self._existing()]
+        for target in doomed:  # every check before the first deletion: all of the old run or none
+            check_removable(target)
+        for target in doomed:
+            remove(target)
         self.created = self.created or not self.path.exists()
         make_directory(self.path)
         return self
@@ -142,7 +188,7 @@ class RunDir:
                 for leftover in parent.glob(".*"):
                     if leftover.name == LOCK_FILE:
                         continue
-                    shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+                    remove(leftover)
 
     def _snapshot(self, iterations: int) -> Path:
         return self.path / CHECKPOINTS / checkpoint_name(iterations) / LOG_SNAPSHOT
@@ -155,8 +201,8 @@ class RunDir:
         self.check_logs(iterations)
         restore_logs(self.path, self._snapshot(iterations), iterations)
         final = self.path / "final"
-        if final.exists():  # a finished run being extended: its final adapters are rewritten
-            shutil.rmtree(final)
+        if final.exists() or final.is_symlink():  # a finished run being extended: rewritten
+            remove(final)
 
     def check_logs(self, iterations: int) -> str | None:
         """A warning when the live logs are damaged before the checkpoint at `iterations` and
@@ -173,9 +219,21 @@ class RunDir:
         return f"warning: {damage}; they are restored from the checkpoint's copy"
 
     def save_final(self, agents) -> Path:
-        """Write final/<agent>/ atomically."""
-        with atomic_directory(self.path / "final") as tmp:
-            agents.save(tmp)
+        """Write final/<agent>/ atomically. A full disk (file-size limit, read-only mount) is
+        one UserError saying that the checkpoints are intact and how to write final/ again."""
+        try:
+            with atomic_directory(self.path / "final") as tmp:
+                agents.save(tmp)
+        except Exception as error:  # safetensors wraps a full disk in its own type
+            e = environment_error(error)
+            if e is None:
+                raise
+            raise UserError(
+                os_error_message(e, f"{self.path / 'final'} could not be written")
+                + "; the run's checkpoints are intact. Once that is fixed: "
+                + cli("resume", self.path)
+                + " writes it"
+            ) from None
         return self.path / "final"
 
     def discard_if_empty_run(self) -> None:
@@ -189,7 +247,7 @@ class FollowerRunDir(RunDir):
     checkpoint) but never write; rank 0's RunDir owns it."""
 
     def __init__(self, path: Path, resume: bool = False):
-        self.path, self.overwrite, self.resume, self.created = Path(path), False, resume, False
+        self.path, self.overwrite, self.resume, self.created = run_path(path), False, resume, False
 
     def open(self) -> RunDir:
         return self

@@ -147,7 +147,7 @@ def run(
                 if stopping:
                     raise Interrupted(
                         f"stopped after iteration {state.iteration}; checkpoint {checkpoint}. "
-                        f"Resume with: {distributed.cli(f'resume {run_dir.path}')}",
+                        f"Resume with: {distributed.cli('resume', run_dir.path)}",
                         stop.requested or signal.SIGINT,  # another rank's signal: as Ctrl-C
                     )
         display.stop()
@@ -348,8 +348,9 @@ def stop_if_failing(
 
 def out_of_memory_message(run_dir: RunDir) -> str:
     resume = (
-        f" The last checkpoint is kept: fix the recipe, then cory-lora run RECIPE --output-dir "
-        f"{run_dir.path} --resume."
+        " The last checkpoint is kept: fix the recipe, then "
+        + distributed.cli("run", "RECIPE", "--output-dir", run_dir.path, "--resume")
+        + "."
         if list_checkpoints(run_dir.path)
         else ""
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 from datetime import timedelta
 
 import torch
@@ -80,11 +81,19 @@ def my_share(items: list) -> list:
     return items[rank() * share : (rank() + 1) * share]
 
 
-def cli(args: str) -> str:
-    """The command line that runs `cory-lora ARGS` with this run's number of processes."""
-    if world_size() == 1:
-        return f"cory-lora {args}"
-    return f"cory-lora {args} --nproc-per-node {world_size()}"
+LAUNCH_FLAGS = "CORY_LORA_LAUNCH_FLAGS"  # set by `--nproc-per-node`/`--nnodes`: the ranks' flags
+
+
+def cli(*args) -> str:
+    """The command line, quoted for a POSIX shell (a path with a space pastes whole), that runs
+    `cory-lora ARGS` as this run was launched: with the launch flags it was given (every one of
+    --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint), or under plain torchrun with
+    --nproc-per-node of its world size."""
+    words = ["cory-lora", *(str(a) for a in args)]
+    if world_size() > 1 or os.environ.get(LAUNCH_FLAGS):
+        launched = os.environ.get(LAUNCH_FLAGS)
+        words += shlex.split(launched) if launched else ["--nproc-per-node", str(world_size())]
+    return shlex.join(words)
 
 
 def all_sum(tensor: torch.Tensor) -> torch.Tensor:

