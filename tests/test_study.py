@@ -42,6 +42,7 @@ def study_file(tmp_path, tiny_model_dir, arith_file):
     return make
 
 
+ARM_NAMES = ("cory", "ppo")
 ARMS = """
 [arms.cory]
 train = { algorithm = "cory" }
@@ -146,6 +147,16 @@ def test_killed_study_resumes_skipping_finished_runs(study_file, tmp_path):
     logs = {p.name: p.read_text() for p in (out / "logs").iterdir()}
     assert logs["cory__seed-0.log"].count("$ ") == 2  # one run, one eval: not run again
     assert " resume " in logs["cory__seed-1.log"]  # the interrupted run resumed
+    # the base's row: computed once per seed, by the first run evaluated, and reused by the other
+    for seed in (0, 1):
+        evals = [
+            json.loads((out / arm / f"seed-{seed}" / "eval.json").read_text()) for arm in ARM_NAMES
+        ]
+        assert sorted(e["base_cached"] for e in evals) == [False, True]
+        assert (
+            evals[0]["rows"][-1] == evals[1]["rows"][-1] and evals[0]["rows"][-1]["name"] == "base"
+        )
+    assert len(json.loads((out / "base-eval.json").read_text())) == 2  # one entry per seed
     report = json.loads((out / "report.json").read_text())
     assert [p["label"] for p in report["points"]] == ["cory", "ppo"]
     assert report["points"][0]["heldout"]["task_reward"]["n"] == 2
