@@ -151,3 +151,15 @@ def test_the_files_are_what_the_seeded_generator_writes():
     for task, splits in GEN.build(0).items():
         for split, rows in splits.items():
             assert _rows(task, split) == rows, f"assets/{task}/{split}.jsonl is not generated"
+
+
+@pytest.mark.parametrize("task", ["word-arith", "reviews"])
+def test_each_split_loads_as_its_own_file(task):
+    # datasets' inference from file names would read test_id and test_ood as one "test" split
+    from cory_lora.config import DataConfig
+    from cory_lora.engine.data import load_prompts
+
+    column = "question" if task == "word-arith" else "query"
+    cfg = DataConfig(dataset=str(ROOT / "assets" / task), query_column=column)
+    for split in ("train", *HELD_OUT):
+        assert load_prompts(cfg, split=split).queries == [r[column] for r in _rows(task, split)]
