@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from .conftest import tiny_recipe_dict
 from .helpers import invoke, read_jsonl, write_recipe
 
 FIGURES = ("accuracy", "task_reward", "kl", "combined_reward")
+COLLAPSE = ("distinct_1", "distinct_2", "overlap", "length", "offtask_kl")
+EVERYDAY = Path(__file__).resolve().parents[1] / "assets" / "everyday" / "prompts.jsonl"
 
 
 def _run(tmp_path, tiny_model_dir, arith_file, name, **train):
@@ -37,7 +40,13 @@ def _run(tmp_path, tiny_model_dir, arith_file, name, **train):
 def runs(tmp_path_factory, tiny_model_dir, arith_file):
     tmp_path = tmp_path_factory.mktemp("eval-during-training")
     evaluated, result = _run(
-        tmp_path, tiny_model_dir, arith_file, "evaluated", eval_every=2, eval_limit=5
+        tmp_path,
+        tiny_model_dir,
+        arith_file,
+        "evaluated",
+        eval_every=2,
+        eval_limit=5,
+        eval_offtask=str(EVERYDAY),
     )
     plain, _ = _run(tmp_path, tiny_model_dir, arith_file, "plain")
     return evaluated, plain, result.output
@@ -50,10 +59,12 @@ def test_evaluations_land_in_metrics_at_every_nth_and_the_last_iteration(runs):
     assert has_eval == [False, True, True]  # every 2nd, and the last
     for m in metrics[1:]:
         for agent in ("llm1", "llm2"):
-            for figure in FIGURES:
+            for figure in FIGURES + COLLAPSE:
                 value = m[f"eval/{agent}/{figure}"]
                 assert isinstance(value, float) and math.isfinite(value), (agent, figure)
             assert 0 <= m[f"eval/{agent}/accuracy"] <= 1  # exact_match is 0/1
+            for figure in ("distinct_1", "distinct_2", "overlap"):
+                assert 0 <= m[f"eval/{agent}/{figure}"] <= 1
         assert m["time/eval_s"] > 0
     assert "eval at iteration 2: llm1 accuracy" in output and "(5 held-out prompts)" in output
 
@@ -65,8 +76,9 @@ def test_the_last_evaluation_equals_cory_lora_eval_of_the_final_adapters(runs):
     assert result.exit_code == 0, result.output
     rows = {row["name"]: row for row in json.loads((evaluated / "eval.json").read_text())["rows"]}
     for agent in ("llm1", "llm2"):
-        for figure in FIGURES:
+        for figure in FIGURES + COLLAPSE:
             assert last[f"eval/{agent}/{figure}"] == pytest.approx(rows[agent][figure], abs=1e-6)
+    assert rows["base"]["offtask_kl"] == 0.0 and rows["llm1→llm2"]["offtask_kl"] is None
 
 
 def test_evaluation_does_not_change_training(runs):

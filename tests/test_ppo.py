@@ -163,6 +163,18 @@ def test_score_scaling_and_clipping():
     assert close(ppo.normalise_scores(torch.tensor([3.0, -4.0]), None, False, 1.0), [1.0, -1.0])
 
 
+def test_score_scaling_puts_the_collective_reward_on_the_single_reward_scale():
+    # The fair β of the SmolLM2 recipes: a CORY agent is paid r_own + r_other, whose spread is
+    # up to twice a PPO agent's r_own; scaled by their own running std, both land on one scale.
+    # PPO's scores [0, 1]: mean 0.5, sample std sqrt(0.5) -> [0, 1 / sqrt(0.5)] = [0, 1.4142];
+    # CORY's [0, 2]: mean 1, sample std sqrt(2) -> [0, 2 / sqrt(2)] = [0, 1.4142]; with the
+    # running mean subtracted (score_norm), both are [-0.7071, 0.7071].
+    for norm, expected in ((False, [0.0, math.sqrt(2)]), (True, [-(0.5**0.5), 0.5**0.5])):
+        single = ppo.normalise_scores(torch.tensor([0.0, 1.0]), ppo.RunningMoments(), norm, 0.0)
+        collective = ppo.normalise_scores(torch.tensor([0.0, 2.0]), ppo.RunningMoments(), norm, 0.0)
+        assert close(single, expected) and close(collective, expected)
+
+
 def test_selective_logprobs_equal_the_naive_log_softmax_gather():
     torch.manual_seed(0)
     logits, tokens = torch.randn(3, 5, 40) * 4, torch.randint(0, 40, (3, 5))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cory_lora.errors import ConfigError
-from cory_lora.science.report import build_report, summarise
+from cory_lora.science.report import build_report, markdown
 from cory_lora.science.study import load_study
 
 from .conftest import tiny_recipe_dict
@@ -42,6 +42,7 @@ def study_file(tmp_path, tiny_model_dir, arith_file):
     return make
 
 
+ARM_NAMES = ("cory", "ppo")
 ARMS = """
 [arms.cory]
 train = { algorithm = "cory" }
@@ -146,6 +147,16 @@ def test_killed_study_resumes_skipping_finished_runs(study_file, tmp_path):
     logs = {p.name: p.read_text() for p in (out / "logs").iterdir()}
     assert logs["cory__seed-0.log"].count("$ ") == 2  # one run, one eval: not run again
     assert " resume " in logs["cory__seed-1.log"]  # the interrupted run resumed
+    # the base's row: computed once per seed, by the first run evaluated, and reused by the other
+    for seed in (0, 1):
+        evals = [
+            json.loads((out / arm / f"seed-{seed}" / "eval.json").read_text()) for arm in ARM_NAMES
+        ]
+        assert sorted(e["base_cached"] for e in evals) == [False, True]
+        assert (
+            evals[0]["rows"][-1] == evals[1]["rows"][-1] and evals[0]["rows"][-1]["name"] == "base"
+        )
+    assert len(json.loads((out / "base-eval.json").read_text())) == 2  # one entry per seed
     report = json.loads((out / "report.json").read_text())
     assert [p["label"] for p in report["points"]] == ["cory", "ppo"]
     assert report["points"][0]["heldout"]["task_reward"]["n"] == 2
@@ -223,8 +234,19 @@ def test_report_numbers_match_an_independent_calculation(tmp_path):
         assert got["values"] == pytest.approx(values)
         assert got["mean"] == pytest.approx(np.mean(values))
         assert got["std"] == pytest.approx(np.std(values, ddof=1))
-        low, high = got["ci95"]
-        assert min(values) - 1e-12 <= low <= np.mean(values) <= high <= max(values) + 1e-12
+        # three seeds: the range of the seeds, no 95% interval
+        assert got["ci95"] is None and got["range"] == pytest.approx([min(values), max(values)])
+    # every pair of arms at each grid point, paired by seed: cory − ppo, 3 figures x 2 points
+    differences = report["differences"]
+    assert len(differences) == 2 * 3
+    for d in differences:
+        beta = float(d["a"].split("=")[1])
+        if d["key"] in ("task_reward", "kl"):
+            cory, ppo = truth[("cory", beta, d["key"])], truth[("ppo", beta, d["key"])]
+            assert d["differences"] == pytest.approx(np.subtract(cory, ppo))
+        assert d["n"] == 3 and not d["clear"]  # 3 seeds are never called clear
+    text = markdown(report)
+    assert "Comparisons: 6 paired differences" in text and "range of 3 seeds" in text
     # η = 0 picks each arm's highest task reward; η = 1 trades it against KL
     for eta in (0.0, 1.0):
         for arm in ("cory", "ppo"):
@@ -238,12 +260,27 @@ def test_report_numbers_match_an_independent_calculation(tmp_path):
             assert chosen[0]["label"] == f"{arm} β={best}"
 
 
-def test_bootstrap_interval_by_hand():
-    # one value: no spread at all; two equal values likewise
-    assert summarise([0.5])["ci95"] == [0.5, 0.5]
-    two = summarise([0.0, 1.0])  # resampled means are 0, 0.5 or 1 with probability 1/4, 1/2, 1/4
-    assert two["mean"] == 0.5 and two["ci95"] == [0.0, 1.0]
-    assert two["std"] == pytest.approx(np.sqrt(0.5))
+def test_report_names_the_independent_arm_as_the_noise_floor(tmp_path):
+    runs = []
+    for arm in ("ppo", "independent"):
+        for seed in range(4):
+            run_dir = f"{arm}/seed-{seed}"
+            fake_run(
+                tmp_path, run_dir, [{"iteration": 1, "llm1/task_reward": seed + (arm == "ppo")}]
+            )
+            runs.append(
+                {"id": run_dir, "arm": arm, "grid": {}, "seed": seed, "dir": run_dir}
+                | {"iterations": 1, "status": "done", "error": None}
+            )
+    state = {"study": "s.toml", "window": 1, "etas": [], "runs": runs}
+    (tmp_path / "study.json").write_text(json.dumps(state))
+    report = build_report(tmp_path)
+    # ppo is 1 above independent in every seed: the differences have no spread, a clear gap
+    (d,) = report["differences"]
+    assert d["differences"] == [1.0] * 4 and d["clear"] and d["p_floor"] == 2 / 16
+    text = markdown(report)
+    assert "`independent` is the A/A noise floor" in text and "1 of them clear" in text
+    assert "n=4" in text
 
 
 @pytest.mark.parametrize(

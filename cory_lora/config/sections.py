@@ -104,6 +104,10 @@ class DataConfig(Section):
     """See query_min_tokens."""
     eval_split: Str = ""
     """Held-out split for `cory-lora eval` (e.g. `test`); empty: use eval_holdout."""
+    eval_splits: tuple[Str, ...] = ()
+    """Further held-out splits a study evaluates each run on, beside eval_split (each into the
+    run's eval-<split>.json), e.g. ["test_ood"]: a split of unseen templates, where eval_split is
+    the training distribution with unseen content."""
     eval_holdout: Int = Field(0, ge=0)
     """Without eval_split: hold this many rows of the training split out of training (a seeded
     choice) and evaluate on them."""
@@ -321,6 +325,15 @@ class TrainConfig(Section):
     scores (data.eval_split, data.eval_holdout or the dataset's test split). 0: never."""
     eval_limit: Int = Field(100, gt=0)
     """Held-out prompts each evaluation during training scores."""
+    eval_sampled_limit: Int = Field(0, ge=0)
+    """Of the prompts an evaluation scores greedily (eval_limit, or `cory-lora eval --limit`),
+    the first this many also get sampled answers (task reward, KL, pass@k, diversity) and the
+    chains of agents; 0: all. Sampling costs n times greedy, a chain N agents' answers."""
+    eval_offtask: Str = ""
+    """Off-task KL: a .jsonl file of everyday instructions (column `prompt`) unrelated to the
+    task, e.g. "assets/everyday/prompts.jsonl"; each evaluation samples every agent's answers to
+    them and reports the mean sequence KL to the base (how far training moved the model outside
+    its task). Empty: off."""
 
 
 class LogConfig(Section):

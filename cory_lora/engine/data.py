@@ -240,11 +240,18 @@ def _load_split(cfg: DataConfig, split: str):
         if path.is_dir() and path.suffix in DATA_FILE_BUILDERS:
             check_data_file(path, key)  # a directory named like a data file: say so
         if path.is_dir():
-            for file in split_files(path, split):
+            files = split_files(path, split)
+            for file in files:
                 check_data_file(file, key)
             if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
                 loaded = datasets.load_from_disk(str(path))
                 return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+            if files and len({f.suffix for f in files}) == 1:
+                # The split's own files, by name: datasets' inference from file names would read
+                # test_id.jsonl and test_ood.jsonl together as one "test" split.
+                builder = DATA_FILE_BUILDERS[files[0].suffix]
+                named = [str(f) for f in files]
+                return datasets.load_dataset(builder, data_files=named, split="train")
             return datasets.load_dataset(str(path), split=split)
         return datasets.load_dataset(cfg.dataset, cfg.config_name or None, split=split)
     except UserError:

@@ -293,12 +293,7 @@ def evaluate_agents(setup: Setup, iteration: int) -> dict:
     metrics = {}
     for name in setup.agents.names:
         row = setup.evaluator.alone(name)
-        figures = {
-            "accuracy": row.accuracy,
-            "task_reward": row.task_reward,
-            "kl": row.kl,
-            "combined_reward": row.combined_reward,
-        }
+        figures = row.figures()  # reward, KL, accuracy, pass@k; collapse: diversity, off-task KL
         metrics |= {
             f"eval/{name}/{key}": None if value is None else finite_or_none(value)
             for key, value in figures.items()

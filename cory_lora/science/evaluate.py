@@ -9,13 +9,19 @@ Rows:
 
 Each row's figures (heldout.py): greedy accuracy and pass@k when the reward is a 0/1 correctness
 score (exact_match, gsm8k_accuracy); for any task the mean task reward, KL to the reference and
-combined reward task − eta·KL over the sampled answers (eta = log.eta of the run's recipe).
+combined reward task − eta·KL over the sampled answers (eta = log.eta of the run's recipe); and
+the collapse figures: diversity and length of the sampled answers, off-task KL
+(train.eval_offtask). Sampled answers and chains use the first train.eval_sampled_limit prompts.
+
+In a study, the base row is computed once per (model, split, settings, seed) and reused by the
+study's other runs (basecache.py).
 """
 
 from __future__ import annotations
 
 import json
-import re
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -27,8 +33,10 @@ from cory_lora.engine.model import BASE, Agents, load_agents
 from cory_lora.errors import UserError
 from cory_lora.rewards import Reward, load_reward
 from cory_lora.run.atomic import atomic_write_text
-from cory_lora.run.heldout import Evaluator
+from cory_lora.run.heldout import EvalRow, Evaluator
 from cory_lora.run.lock import RunLock
+from cory_lora.science.basecache import BaseCache, base_key, study_dir_of
+from cory_lora.science.study import eval_file_name
 
 
 def load_run(run_dir: Path) -> tuple[Recipe, Agents]:
@@ -57,9 +65,7 @@ def load_run(run_dir: Path) -> tuple[Recipe, Agents]:
 def eval_file(run_dir: Path, split: str, default: str) -> Path:
     """eval.json for the run's own held-out split; eval-<split>.json for any other, so that an
     evaluation of one split never overwrites another's."""
-    if split == default:
-        return Path(run_dir) / "eval.json"
-    return Path(run_dir) / f"eval-{re.sub(r'[^A-Za-z0-9._-]', '_', split)}.json"
+    return Path(run_dir) / eval_file_name(None if split == default else split)
 
 
 def evaluate(
@@ -89,27 +95,50 @@ def _evaluate(run_dir: Path, split: str | None, limit: int, ks: tuple[int, ...],
     prompts = load_eval_prompts(recipe.data, agents.tokenizer, recipe.train.seed, split)
     prompts = prompts.take(list(range(min(limit, len(prompts)))))
     reward = load_reward(recipe.reward, str(agents.device), recipe.data)
-    evaluator = Evaluator(recipe, agents, reward, prompts, ks, n)
+    started = time.perf_counter()
+    path = eval_file(run_dir, name, default=_default_split(recipe))
+    offtask = path.name == "eval.json"  # the run's own split: not again for each split
+    evaluator = Evaluator(recipe, agents, reward, prompts, ks, n, offtask)
     rows = [evaluator.alone(name) for name in agents.names]
     if len(agents.names) > 1:  # the chain in each of the orders training rotates through
         chain = Roles(*agents.names)
         rows += [evaluator.chain(chain.rotated(k)) for k in range(len(agents.names))]
-    rows.append(evaluator.base())
-    path = eval_file(run_dir, name, default=_default_split(recipe))
+    records = [_record(row) for row in rows]
+    base, cached = _base_row(run_dir, recipe, evaluator, name, ks, n)
     result = {
         "run": str(run_dir),
         "split": name,
         "held_out": held_out,
         "prompts": len(prompts),
+        "sampled_prompts": len(evaluator.sampled),
         "samples_per_prompt": n,
         "k": list(ks),
         "eta": recipe.log.eta,
-        "rows": [
-            row.__dict__ | {"pass_at": {str(k): v for k, v in row.pass_at.items()}} for row in rows
-        ],
+        "base_cached": cached,
+        "seconds": round(time.perf_counter() - started, 1),
+        "rows": [*records, base],
     }
     atomic_write_text(path, json.dumps(result, indent=2) + "\n")
     return result | {"path": str(path)}
+
+
+def _record(row: EvalRow) -> dict:
+    return asdict(row) | {"pass_at": {str(k): v for k, v in row.pass_at.items()}}
+
+
+def _base_row(run_dir, recipe, evaluator: Evaluator, split: str, ks, n) -> tuple[dict, bool]:
+    """The base's row, and whether it came from the study's cache (basecache.py)."""
+    study_dir = study_dir_of(run_dir)
+    if study_dir is None:
+        return _record(evaluator.base()), False
+    cache = BaseCache(study_dir)
+    sampled = len(evaluator.sampled)
+    key = base_key(recipe, split, evaluator.prompts, sampled, ks, n, evaluator.offtask)
+    if (row := cache.get(key)) is not None:
+        return row, True
+    row = _record(evaluator.base())
+    cache.put(key, split, recipe.train.seed, row)
+    return row, False
 
 
 def samples_each(n: int) -> str:

@@ -1,18 +1,24 @@
-"""A study's report, computed from its run directories alone (metrics.jsonl, eval.json), so it
-can be rebuilt at any time: report.md, report.json, curves.png and frontier.png.
+"""A study's report, computed from its run directories alone (metrics.jsonl, eval.json and
+eval-<split>.json), so it can be rebuilt at any time: report.md, report.json, curves.png and
+frontier.png.
 
 Per arm and grid point, over seeds: the final-window task reward, KL and combined reward of
 training (each run: the mean over its last `window` iterations and over its agents), and, when
-the runs were evaluated, the same on held-out prompts (each agent alone; accuracy and pass@k
-when the reward is 0/1). Each as the mean, the standard deviation over seeds, a 95% bootstrap
-interval of the mean (percentile bootstrap over seeds, 10,000 resamples, as rliable recommends
-for few runs) and every seed's value. The frontier puts one point per (arm, grid point) in the
-task reward–KL plane with error bars over seeds, labels it, and marks, for each η of the study,
-each arm's best point under task − η·KL.
+the runs were evaluated, the same on each held-out split (each agent alone; accuracy and pass@k
+when the reward is 0/1; the collapse figures: distinct-n, overlap, length, off-task KL). Each
+cell is the mean, the Student-t 95% interval of the mean and n, or, with 3 seeds or fewer, the
+range of the seeds' values (stats.py). Between every pair of arms at each grid point: the paired
+difference over seeds (a seed gives every arm the same prompt order and first rollout) with its
+t-interval, the paired t-test's p and the exact sign-flip p; a gap is called clear only when the
+paired test supports it (stats.py says the rule), and the report says how many comparisons it
+made. The frontier puts one point per (arm, grid point) in the task reward–KL plane with error
+bars over seeds, labels it, and marks, for each η of the study, each arm's best point under
+task − η·KL (by the means: a choice, not a test).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -25,27 +31,19 @@ from cory_lora.run.atomic import atomic_file, atomic_write_text
 from cory_lora.run.records import read_metrics
 from cory_lora.science.plots import agent_names
 from cory_lora.science.schemas import EvalRecord, StudyRecord, read_record
+from cory_lora.science.stats import MIN_SEEDS_FOR_INTERVAL, paired, summarise
 from cory_lora.science.study import STATE_FILE
 
 METRICS = ("task_reward", "kl", "combined_reward")
-BOOTSTRAP_RESAMPLES = 10_000
+COLLAPSE = ("distinct_1", "distinct_2", "overlap", "length", "offtask_kl")
+COMPARED = ("task_reward", "kl", "combined_reward", "accuracy", "offtask_kl")
 SHORT_NAMES = {"ppo.init_kl_coef": "β", "cory.other_coef": "other", "reset.every": "reset"}
-
-
-def summarise(values: list[float], seed: int = 0) -> dict:
-    """Mean, sample std, 95% percentile-bootstrap interval of the mean, and the values."""
-    x = np.asarray(values, dtype=float)
-    if len(x) == 0:
-        return {"mean": None, "std": None, "ci95": [None, None], "values": [], "n": 0}
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, len(x), size=(BOOTSTRAP_RESAMPLES, len(x)))].mean(axis=1)
-    return {
-        "mean": float(x.mean()),
-        "std": float(x.std(ddof=1)) if len(x) > 1 else 0.0,
-        "ci95": [float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))],
-        "values": [float(v) for v in x],
-        "n": len(x),
-    }
+ARM_NOTES = {
+    "independent": "the A/A noise floor: two PPO learners side by side (no transfer, own reward), "
+    "so its gaps to `ppo` measure how far apart two runs of the same method land by chance",
+}
+TRAIN = "train"
+HELDOUT = "heldout"  # eval.json; eval-<split>.json is part "heldout-<split>"
 
 
 def run_final(metrics: list[dict], window: int) -> dict[str, float | None]:
@@ -63,9 +61,10 @@ def run_heldout(evaluation: dict) -> dict[str, float | None]:
     """Held-out figures of a run: the mean over its agents evaluated alone."""
     rows = [r for r in evaluation["rows"] if r["name"].startswith("llm") and "→" not in r["name"]]
     out = {}
-    for key in (*METRICS, "accuracy"):
+    for key in (*METRICS, "accuracy", *COLLAPSE):
         values = [r[key] for r in rows if r.get(key) is not None]
-        out[key] = sum(values) / len(values) if values else None
+        if values or key in (*METRICS, "accuracy"):
+            out[key] = sum(values) / len(values) if values else None
     for k in evaluation.get("k", []):
         values = [r["pass_at"][str(k)] for r in rows if str(k) in r.get("pass_at", {})]
         if values:
@@ -93,16 +92,27 @@ def build_report(study_dir: Path) -> dict:
     return _report_of(study_dir, state)
 
 
+def _evaluations(run_dir: Path) -> dict[str, dict]:
+    """part -> the run's eval record: eval.json as `heldout`, eval-<split>.json as
+    `heldout-<split>`."""
+    out = {}
+    for path in sorted(run_dir.glob("eval*.json")):
+        if path.name == "eval.json":
+            out[HELDOUT] = read_record(path, EvalRecord)
+        elif path.name.startswith("eval-"):
+            out[f"{HELDOUT}-{path.stem.removeprefix('eval-')}"] = read_record(path, EvalRecord)
+    return out
+
+
 def _report_of(study_dir: Path, state: dict) -> dict:
     window = state["window"]
     groups: dict[str, dict] = {}
-    failed = []
+    failed, splits = [], {}
     for record in state["runs"]:
         run_dir = study_dir / record["dir"]
         label = point_label(record["arm"], record["grid"])
         group = groups.setdefault(
-            label,
-            {"arm": record["arm"], "grid": record["grid"], "train": [], "heldout": [], "runs": []},
+            label, {"arm": record["arm"], "grid": record["grid"], "parts": {}, "runs": []}
         )
         metrics = (
             read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
@@ -113,28 +123,69 @@ def _report_of(study_dir: Path, state: dict) -> dict:
             )
             continue
         group["runs"].append(record["id"])
-        group["train"].append(run_final(metrics, window) | {"seed": record["seed"]})
-        if (run_dir / "eval.json").is_file():
-            evaluation = read_record(run_dir / "eval.json", EvalRecord)
-            group["heldout"].append(run_heldout(evaluation) | {"seed": record["seed"]})
+        seed = {"seed": record["seed"]}
+        group["parts"].setdefault(TRAIN, []).append(run_final(metrics, window) | seed)
+        for part, evaluation in _evaluations(run_dir).items():
+            group["parts"].setdefault(part, []).append(run_heldout(evaluation) | seed)
+            splits.setdefault(part, _split_of(evaluation))
+    parts = [TRAIN, *sorted({p for g in groups.values() for p in g["parts"]} - {TRAIN})]
     points = []
     for label, group in groups.items():
         point = {"label": label, "arm": group["arm"], "grid": group["grid"], "runs": group["runs"]}
-        for part in ("train", "heldout"):
-            rows = group[part]
-            keys = sorted({k for r in rows for k in r if k != "seed"})
-            point[part] = {k: summarise([r[k] for r in rows if r.get(k) is not None]) for k in keys}
-            point[part]["seeds"] = [r["seed"] for r in rows]
+        for part in parts:
+            point[part] = _cells(group["parts"].get(part, []))
         points.append(point)
-    best = {part: _best_per_eta(points, state["etas"], part) for part in ("train", "heldout")}
+    best = {part: _best_per_eta(points, state["etas"], part) for part in parts}
     return {
         "study": state["study"],
         "window": window,
         "etas": state["etas"],
+        "parts": parts,
+        "splits": splits,
         "points": points,
         "best": best,
+        "differences": _differences(points, parts),
         "failed": failed,
     }
+
+
+def _split_of(evaluation: dict) -> dict:
+    keys = ("split", "prompts", "sampled_prompts", "samples_per_prompt")
+    return {k: evaluation[k] for k in keys if k in evaluation}
+
+
+def _cells(rows: list[dict]) -> dict:
+    """key -> its cell over the rows' seeds (stats.summarise, plus seed -> value)."""
+    keys = sorted({k for r in rows for k in r if k != "seed"})
+    cells = {}
+    for key in keys:
+        by_seed = {r["seed"]: r[key] for r in rows if r.get(key) is not None}
+        cells[key] = summarise(list(by_seed.values())) | {"by_seed": by_seed}
+    cells["seeds"] = [r["seed"] for r in rows]
+    return cells
+
+
+def _differences(points: list[dict], parts: list[str]) -> list[dict]:
+    """Every pair of arms at every grid point, per part and compared figure: the paired
+    difference over seeds (stats.paired), the first arm minus the second."""
+    out = []
+    for p, q in itertools.combinations(points, 2):
+        if p["grid"] != q["grid"] or p["arm"] == q["arm"]:
+            continue
+        for part in parts:
+            for key in COMPARED:
+                a, b = p[part].get(key), q[part].get(key)
+                if not a or not b:
+                    continue
+                result = paired(_seed_keys(a["by_seed"]), _seed_keys(b["by_seed"]))
+                if result is not None and result["n"] >= 2:
+                    names = {"part": part, "key": key, "a": p["label"], "b": q["label"]}
+                    out.append(names | result)
+    return out
+
+
+def _seed_keys(by_seed: dict) -> dict[int, float]:
+    return {int(k): float(v) for k, v in by_seed.items()}  # JSON turned the seeds into strings
 
 
 def _best_per_eta(points: list[dict], etas: list[float], part: str) -> list[dict]:
@@ -161,29 +212,93 @@ def _best_per_eta(points: list[dict], etas: list[float], part: str) -> list[dict
 def _cell(summary: dict | None) -> str:
     if not summary or summary.get("mean") is None:
         return "–"
-    low, high = summary["ci95"]
-    seeds = ", ".join(f"{v:.3f}" for v in summary["values"])
-    return f"{summary['mean']:.3f} ± {summary['std']:.3f} [{low:.3f}, {high:.3f}] ({seeds})"
+    n, seeds = summary["n"], ", ".join(f"{v:.3f}" for v in summary["values"])
+    if summary.get("ci95"):
+        low, high = summary["ci95"]
+        return f"{summary['mean']:.3f} [{low:.3f}, {high:.3f}] n={n} ({seeds})"
+    if n == 1:
+        return f"{summary['mean']:.3f} (1 seed)"
+    return f"{summary['mean']:.3f} (range of {n} seeds: {seeds})"
+
+
+def _part_title(report: dict, part: str) -> str:
+    if part == TRAIN:
+        return "Training (final window)"
+    split = report.get("splits", {}).get(part, {})
+    name = split.get("split") or part.removeprefix(f"{HELDOUT}-")
+    sizes = ""
+    if "prompts" in split:
+        sampled = split.get("sampled_prompts", split["prompts"])
+        sizes = f": {split['prompts']} prompts greedy, {sampled} sampled"
+    return f"Held-out evaluation, split {name}{sizes}"
+
+
+def _difference_row(d: dict) -> str:
+    low, high = d["ci95"] or (math.nan, math.nan)
+    seeds = ", ".join(f"{v:+.3f}" for v in d["differences"])
+    verdict = "**clear**" if d["clear"] else "not clear"
+    p_t = "–" if d["p_t"] is None else f"{d['p_t']:.3f}"
+    return (
+        f"| {d['a']} − {d['b']} | {d['key']} | {d['mean']:+.3f} | [{low:+.3f}, {high:+.3f}] | "
+        f"{p_t} | {d['p_sign_flip']:.3f} (≥ {d['p_floor']:.3f}) | {d['n']} | {verdict} | "
+        f"{seeds} |"
+    )
+
+
+def _differences_markdown(report: dict, part: str) -> list[str]:
+    rows = [d for d in report.get("differences", []) if d["part"] == part]
+    if not rows:
+        return []
+    lines = [
+        "Paired differences between arms at each grid point (first minus second, over the "
+        "seeds both have):",
+        "",
+        "| arms | figure | mean diff. | paired t 95% | p (t) | p (sign flip, floor) | n | "
+        "verdict | per seed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_difference_row(d) for d in rows]
+    return [*lines, ""]
 
 
 def markdown(report: dict) -> str:
+    differences = report.get("differences", [])
+    clear = sum(d["clear"] for d in differences)
     lines = [
         f"# Study report: {report['study']}",
         "",
         f"Final window: the last {report['window']} iterations of each run, averaged over its "
-        "agents. Each cell: mean ± std over seeds [95% bootstrap interval of the mean] "
-        "(every seed's value).",
+        "agents. Each cell: the mean over seeds [Student-t 95% interval of the mean] n (every "
+        f"seed's value); with fewer than {MIN_SEEDS_FOR_INTERVAL} seeds no interval, only the "
+        "range of the seeds' values.",
+        "",
+        f"Comparisons: {len(differences)} paired differences (every pair of arms at every grid "
+        f"point, every compared figure: {', '.join(COMPARED)}), {clear} of them clear. A gap is "
+        f"**clear** when at least {MIN_SEEDS_FOR_INTERVAL} seeds are paired and the paired t 95% "
+        "interval of the difference excludes 0 (paired t-test p < 0.05). The exact two-sided "
+        "sign-flip p (all 2^n sign patterns) stands beside it; it cannot go below 2/2^n "
+        "(0.125 with 4 seeds, 0.0625 with 5). Nothing is corrected for the number of "
+        f"comparisons: about {0.05 * len(differences):.1f} of {len(differences)} would be clear "
+        "by chance alone if no arm differed.",
         "",
     ]
-    for part, title in (("train", "Training"), ("heldout", "Held-out evaluation")):
+    arms = dict.fromkeys(p["arm"] for p in report["points"])
+    notes = [f"* `{arm}` is {ARM_NOTES[arm]}." for arm in arms if arm in ARM_NOTES]
+    if notes:
+        lines += [*notes, ""]
+    parts = report.get("parts", [TRAIN, HELDOUT])
+    for part in parts:
         keys = [
             k
-            for k in ("task_reward", "kl", "combined_reward", "accuracy")
-            if any(k in p[part] for p in report["points"])
+            for k in ("task_reward", "kl", "combined_reward", "accuracy", *COLLAPSE)
+            if any(k in p.get(part, {}) for p in report["points"])
         ]
-        keys += sorted({k for p in report["points"] for k in p[part] if k.startswith("pass@")})
+        keys += sorted(
+            {k for p in report["points"] for k in p.get(part, {}) if k.startswith("pass@")}
+        )
         if not keys:
             continue
+        title = _part_title(report, part)
         lines += [f"## {title}", "", "| arm | " + " | ".join(keys) + " |"]
         lines.append("|---" * (len(keys) + 1) + "|")
         for p in report["points"]:
@@ -191,9 +306,10 @@ def markdown(report: dict) -> str:
                 f"| {p['label']} | " + " | ".join(_cell(p[part].get(k)) for k in keys) + " |"
             )
         lines.append("")
-        best = report["best"][part]
+        lines += _differences_markdown(report, part)
+        best = report["best"].get(part)
         if best:
-            lines += [f"Best point per arm under task − η·KL ({title.lower()}):", ""]
+            lines += [f"Best point per arm under task − η·KL (by the means; {title}):", ""]
             lines += [f"* η = {b['eta']:g}: {b['label']} ({b['objective']:.3f})" for b in best]
             lines.append("")
     if report["failed"]:
@@ -218,7 +334,7 @@ def plot_frontier(report: dict, out: Path) -> None:
 
     parts = [
         p
-        for p in ("train", "heldout")
+        for p in report.get("parts", [TRAIN, HELDOUT])
         if any("kl" in q[p] and q[p]["kl"]["mean"] is not None for q in report["points"])
     ]
     fig, axes = plt.subplots(1, max(1, len(parts)), figsize=(7.5 * max(1, len(parts)), 6))
@@ -227,7 +343,7 @@ def plot_frontier(report: dict, out: Path) -> None:
     for ax, part in zip(axes, parts, strict=False):
         _plot_points(ax, report["points"], part, colours)
         _circle_best(ax, report, part)
-        title = "training (final window)" if part == "train" else "held-out evaluation"
+        title = _part_title(report, part).lower()
         ax.set_title(f"task reward vs KL: {title}\n(error bars: std over seeds)")
         ax.set_xlabel("KL to reference")
         ax.set_ylabel("task reward")

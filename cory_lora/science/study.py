@@ -9,6 +9,8 @@ A study file (TOML):
     window = 50                              # final window of the report, in iterations
     etas = [0.03, 0.1, 0.3]                  # frontier: each arm's best point under task - η·KL
     eval_limit = 100                         # > 0: held-out `cory-lora eval` of each run
+                                             # (greedy; sampled on train.eval_sampled_limit), on
+                                             # data.eval_split and each of data.eval_splits
     processes = 1                            # > 1: each run in that many ranks (--nproc-per-node)
 
     [grid]                                   # optional, crossed with every arm
@@ -32,6 +34,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -214,7 +217,15 @@ def _read_study_file(path: Path) -> dict:
         raise ConfigError([problem], "the study") from None
 
 
-RESERVED = {STATE_FILE, "logs", "report.md", "report.json", "frontier.png", "curves.png"}
+RESERVED = {
+    STATE_FILE,
+    "logs",
+    "report.md",
+    "report.json",
+    "frontier.png",
+    "curves.png",
+    "base-eval.json",
+}
 UNSAFE = '/\\:*?"<>|\0'  # arm names: path separators and what Windows or a shell trips on
 
 
@@ -431,16 +442,32 @@ class StudyRunner:
         return process.returncode
 
     def _evaluate(self, run: Run) -> None:
+        """`cory-lora eval` of the run on its held-out split (eval.json) and on each of
+        data.eval_splits (eval-<split>.json), each once."""
         out = self.dir / run.relative_dir
-        if (out / "eval.json").is_file():
-            return
-        command = cli_command("eval", out, "--limit", self.study.eval_limit, *_trusted(out))
-        code = self._watch(command, run, out)
-        if self.interrupt:
-            raise self.interrupt
-        if code != 0:
-            self.records[run.id]["error"] = "eval: " + _last_error(self._log(run))
-            self.write_state()
+        data = run.recipe.data if run.recipe else None
+        splits = [s for s in data.eval_splits if s != data.eval_split] if data else []
+        for split in (None, *splits):
+            if (out / eval_file_name(split)).is_file():
+                continue
+            chosen = ["--split", split] if split else []
+            limit = ["--limit", self.study.eval_limit]
+            command = cli_command("eval", out, *chosen, *limit, *_trusted(out))
+            code = self._watch(command, run, out)
+            if self.interrupt:
+                raise self.interrupt
+            if code != 0:
+                self.records[run.id]["error"] = "eval: " + _last_error(self._log(run))
+                self.write_state()
+                return
+
+
+def eval_file_name(split: str | None) -> str:
+    """eval.json for a run's own held-out split (None); eval-<split>.json for any other, so that
+    an evaluation of one split never overwrites another's."""
+    if split is None:
+        return "eval.json"
+    return f"eval-{re.sub(r'[^A-Za-z0-9._-]', '_', split)}.json"
 
 
 def _trusted(run_dir: Path) -> list[str]:
