@@ -11,7 +11,8 @@ Each configuration runs in a fresh process, one after another, on the recipe's o
 iterations through `train.train_iteration`, the figure being the median over all but the first
 (it warms the allocator and creates the optimizers' moments). A baseline configuration runs the
 same in a process whose `cory_lora` is imported from --baseline (PYTHONPATH), so the older code
-meets the same model, recipe and driver. Per configuration:
+meets the same model, recipe and driver; with a baseline, every configuration runs the
+baseline checkout's recipes and data, so both codes do the same work. Per configuration:
 
 * s / iteration, and its generation part (`cory.play_episode`: sampling and rewards) and the
   rest (scoring, PPO update, logging: `learn` and what surrounds it);
@@ -117,7 +118,10 @@ def worker(args) -> None:
 
 def run_configuration(args, task: str, config: Configuration) -> dict | None:
     cory_recipe, ppo_recipe = RECIPES[task]
-    recipe = ROOT / (cory_recipe if config.algorithm == "cory" else ppo_recipe)
+    # With a baseline, both codes run the baseline checkout's recipes and data (from its
+    # directory): the same work, whatever changed in them since.
+    work = Path(args.baseline) if args.baseline else ROOT
+    recipe = work / (cory_recipe if config.algorithm == "cory" else ppo_recipe)
     overrides = ["train.eval_every=0", "log.report_to=[]", *args.set]
     if args.model:
         overrides.append(f"model.name_or_path={args.model}")
@@ -140,7 +144,7 @@ def run_configuration(args, task: str, config: Configuration) -> dict | None:
             "--out",
             out.name,
         ]
-        result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+        result = subprocess.run(command, env=env, cwd=work, capture_output=True, text=True)
         if result.returncode != 0:
             print(f"  {config.name}: failed\n{result.stderr[-2000:]}")
             return None

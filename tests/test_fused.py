@@ -247,3 +247,26 @@ def test_critic_free_cory_fused_learns_what_separate_passes_learn(
             for key in ("task_reward", "kl", "policy_loss", "grad_norm", "entropy"):
                 a, b = fused[f"{agent}/{key}"], alone[f"{agent}/{key}"]
                 assert a == pytest.approx(b, rel=1e-3, abs=1e-6), (agent, key)
+
+
+def test_cast_adapter_weights_follow_every_change_of_their_float32_masters(tiny_recipe):
+    """Without gradients (generation, scoring) a bfloat16 base reuses its cast copies of the
+    float32 LoRA weights; an optimizer step, a load or a restore changes the masters in place,
+    and the next forward must see it."""
+    recipe, agents = agents_of(tiny_recipe, "bfloat16")
+    episode = episode_of(agents, recipe, Roles("llm1", None), 4)
+    ids, mask = sequences(episode.pioneer_generation)
+
+    def logits():
+        with torch.no_grad(), agents.use("llm1"):
+            return agents.forward(ids, mask, 4)[0]
+
+    before = logits()
+    assert torch.equal(before, logits())  # the cached copies: the same values
+    b = next(p for n, p in agents.model.named_parameters() if "lora_B.llm1" in n)
+    with torch.no_grad():
+        b.mul_(-1)  # in place, as an optimizer step or a restore writes
+    after = logits()
+    assert not torch.equal(before, after)
+    peft_forward_restored(agents)  # PEFT's forward: no cache at all
+    torch.testing.assert_close(after.float(), logits().float(), rtol=0.05, atol=0.05)

@@ -63,12 +63,31 @@ def row_blocks(blocks: tuple[Block, ...]) -> Iterator[None]:
         _BLOCKS.reset(token)
 
 
+def _weights(layer, adapter: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The adapter's A and B weights in `dtype`. Where gradients flow, cast in the graph (the
+    float32 masters get the gradient). Without (generation, scoring), the cast copies are kept
+    until a master changes (its version counter moves with every in-place write: optimizer
+    steps, loads, restores): a decode step's activations are a few rows, so casting both
+    weights of every layer at every step would cost more than the cast it replaces."""
+    a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    if a.dtype == dtype and b.dtype == dtype:
+        return a, b
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return a.to(dtype), b.to(dtype)
+    cache = layer.__dict__.setdefault("_cory_cast_weights", {})
+    stamp = (a._version, b._version, a.data_ptr(), b.data_ptr())
+    hit = cache.get((adapter, dtype))
+    if hit is None or hit[0] != stamp:
+        hit = cache[adapter, dtype] = (stamp, a.detach().to(dtype), b.detach().to(dtype))
+    return hit[1], hit[2]
+
+
 def _delta(layer, adapter: str, x: torch.Tensor) -> torch.Tensor:
     """The adapter's low-rank update B(A(dropout(x))) in x's dtype, unscaled."""
-    a, b = layer.lora_A[adapter], layer.lora_B[adapter]
-    h = F.linear(layer.lora_dropout[adapter](x), a.weight.to(x.dtype))
-    bias = None if b.bias is None else b.bias.to(x.dtype)
-    return F.linear(h, b.weight.to(x.dtype), bias)
+    a, b = _weights(layer, adapter, x.dtype)
+    h = F.linear(layer.lora_dropout[adapter](x), a)
+    bias = layer.lora_B[adapter].bias
+    return F.linear(h, b, None if bias is None else bias.to(x.dtype))
 
 
 def _forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

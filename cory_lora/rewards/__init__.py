@@ -158,6 +158,11 @@ class Reward:
         finally:
             if _cwd_moved(cwd):  # a code-running reward's os.chdir must not move the run
                 os.chdir(cwd)
+        return self._checked(values, completions)
+
+    def _checked(self, values, completions: list[str]) -> tuple[torch.Tensor, dict[int, str]]:
+        """What the reward returned as float32 scores [B] (NaN where unusable) and what each
+        unusable value was; RewardError for a wrong type or length."""
         if isinstance(values, torch.Tensor) and values.ndim >= 1:
             values = values.detach().cpu().flatten().tolist()
         elif type(values).__module__ == "numpy" and getattr(values, "ndim", 0) >= 1:
