@@ -172,7 +172,5 @@ def learn(
 
 
 def fused_passes(recipe: Recipe, model: Agents) -> bool:
-    """train.fused resolved: `auto` fuses on a GPU only."""
-    if recipe.train.fused == "auto":
-        return model.device.type == "cuda"
+    """train.fused (the model is the argument a device-dependent default would need)."""
     return recipe.train.fused

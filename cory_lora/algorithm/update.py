@@ -219,8 +219,8 @@ def score(
 ) -> dict[str, TokenStatistics]:
     """Each job's token statistics, micro_batch_size episodes of an agent at a time: its
     forward then the reference's. Fused, every job's share of micro_batch_size episodes and
-    their reference rows in one forward: 2 x micro_batch_size rows, as many logits as a separate
-    pass holds at once (its agent's and its reference's), in half the forwards of all agents.
+    their reference rows in one forward of micro_batch_size rows, as a separate forward holds
+    (so no more memory, and as many forwards).
 
     micro_batch_size rows whatever ppo.micro_batch_tokens: without gradients nothing is kept
     across layers, and the logits are taken at the response positions only, so a wider prompt
@@ -236,7 +236,7 @@ def score(
                 parts[job.name].append(_statistics(agents, job, resp, logits, hidden, ref))
     else:
         n = max(len(job.generation.response_ids) for job in jobs)
-        share = max(1, micro_batch_size // len(jobs))
+        share = max(1, micro_batch_size // (2 * len(jobs)))
         for rows in torch.arange(n).split(share):
             blocks = []
             for job in jobs:

@@ -301,12 +301,13 @@ class TrainConfig(Section):
     """`cory` (two agents) or `ppo` (llm1 alone: the baseline)."""
     iterations: Int = Field(100, gt=0)
     """Training iterations (one batch of queries each)."""
-    fused: Bool | Literal["auto"] = "auto"
+    fused: Bool = False
     """Every agent and the reference in one pass: scoring sends all agents' rows and their
     reference rows through one forward, the update every agent's micro-batch through one forward
-    and backward (each row through its own adapter; the same maths up to float rounding).
-    `auto`: on a GPU, where a small model's forward is launch-bound; off on a CPU, where it
-    measured no faster (docs/measured.md)."""
+    and backward (each row through its own adapter; the same maths up to float rounding). Off by
+    default: measured 1.2x slower than separate passes on CPU, and holding memory to the separate
+    passes' (each forward as many rows as one separate forward) it runs as many forwards, so it
+    cannot save a GPU's launches either (docs/measured.md)."""
     seed: Int = Field(0, ge=0, le=2**32 - 1)
     """Seed of data order, sampling and initialisation (0 to 2^32 - 1)."""
     output_dir: Str = ""
