@@ -20,6 +20,7 @@ study's other runs (basecache.py).
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -57,7 +58,7 @@ def load_run(run_dir: Path) -> tuple[Recipe, Agents]:
         raise UserError(
             f"{run_dir / 'final'} is damaged or does not fit the run's config.toml "
             f"({type(e).__name__}: {reason}); its checkpoints are intact: delete final/ and "
-            f"`cory-lora resume {run_dir}` writes it again"
+            f"`cory-lora resume {shlex.quote(str(run_dir))}` writes it again"
         ) from None
     return recipe, agents
 
