@@ -196,28 +196,26 @@ def main() -> None:
         summary(figures)
 
 
-def summary(f: dict) -> None:
-    get = f.get
-    lines = [
-        ("CORY / PPO time, tokens (now, fused)", "cory fused", "ppo"),
-        ("CORY / PPO time, tokens (now, separate)", "cory separate", "ppo"),
-        ("CORY / PPO time, tokens (baseline)", "baseline cory", "baseline ppo"),
-    ]
-    for label, a, b in lines:
-        if get(a) and get(b):
-            print(f"  {label}: {ratio(get(a), get(b))} at {ratio(get(a), get(b), 'tokens')}")
-    pairs = [
-        ("CORY fused / baseline CORY (goal <= 0.6x)", "cory fused", "baseline cory"),
-        ("CORY separate / baseline CORY", "cory separate", "baseline cory"),
-        ("PPO / baseline PPO", "ppo", "baseline ppo"),
-        ("fused / separate, 2 agents", "cory fused", "cory separate"),
-        ("fused / separate, 3 agents", "cory n=3 fused", "cory n=3 separate"),
-        ("3 agents / 2 (separate)", "cory n=3 separate", "cory separate"),
-        ("3 agents / 2 (fused)", "cory n=3 fused", "cory fused"),
-    ]
-    for label, a, b in pairs:
-        if get(a) and get(b):
-            print(f"  {label}: {ratio(get(a), get(b))}")
+# (label, numerator, denominator, with the token ratio beside the time ratio)
+RATIOS = (
+    ("CORY / PPO time, tokens (now, fused)", "cory fused", "ppo", True),
+    ("CORY / PPO time, tokens (now, separate)", "cory separate", "ppo", True),
+    ("CORY / PPO time, tokens (baseline)", "baseline cory", "baseline ppo", True),
+    ("CORY fused / baseline CORY (goal <= 0.6x)", "cory fused", "baseline cory", False),
+    ("CORY separate / baseline CORY", "cory separate", "baseline cory", False),
+    ("PPO / baseline PPO", "ppo", "baseline ppo", False),
+    ("fused / separate, 2 agents", "cory fused", "cory separate", False),
+    ("fused / separate, 3 agents", "cory n=3 fused", "cory n=3 separate", False),
+    ("3 agents / 2 (separate)", "cory n=3 separate", "cory separate", False),
+    ("3 agents / 2 (fused)", "cory n=3 fused", "cory fused", False),
+)
+
+
+def summary(figures: dict) -> None:
+    for label, a, b, tokens in RATIOS:
+        if figures.get(a) and figures.get(b):
+            at = f" at {ratio(figures[a], figures[b], 'tokens')}" if tokens else ""
+            print(f"  {label}: {ratio(figures[a], figures[b])}{at}")
 
 
 if __name__ == "__main__":

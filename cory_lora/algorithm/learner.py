@@ -169,8 +169,3 @@ def learn(
             snapshot.restore()  # put the agent back exactly as it was before the update
         outcomes[learner.name] = learner.finish(prepared[learner.name], update)
     return {lr.name: lr.count(outcomes[lr.name]) for lr in learners}
-
-
-def fused_passes(recipe: Recipe, model: Agents) -> bool:
-    """train.fused (the model is the argument a device-dependent default would need)."""
-    return recipe.train.fused

@@ -48,7 +48,7 @@ from cory_lora.algorithm.cory import (
     play_episode,
     roles_at,
 )
-from cory_lora.algorithm.learner import Learner, fused_passes, learn
+from cory_lora.algorithm.learner import Learner, learn
 from cory_lora.algorithm.metrics import finite_or_none, iteration_metrics, samples
 from cory_lora.algorithm.state import TrainerState, seed_everything
 from cory_lora.algorithm.update import Skipped, UpdateStats
@@ -119,7 +119,6 @@ class Setup:
     trackers: Sink
     evaluator: Evaluator | None  # train.eval_every: held-out evaluation during training
     learners: list[Learner]  # one per agent, over the state's AgentStates
-    fused: bool  # train.fused resolved
 
 
 def run(
@@ -213,7 +212,6 @@ def prepare(
         trackers,
         evaluator,
         learners,
-        fused_passes(recipe, agents),
     )
     return setup, state
 
@@ -256,7 +254,7 @@ def train_iteration(setup: Setup, state: TrainerState) -> dict:
     # 3. Scores: own and (in CORY) the other's task reward.
     scores = episode.scores(recipe.cory.self_coef, recipe.cory.other_coef, recipe.cory.others)
     # 4. Each agent learns on its own: rollout scoring, PPO epochs, then its KL coefficient.
-    outcomes = learn(setup.learners, episode, scores, setup.reward.name, setup.fused)
+    outcomes = learn(setup.learners, episode, scores, setup.reward.name, recipe.train.fused)
     state.iteration += 1
     if recipe.reset.every and state.iteration % recipe.reset.every == 0:
         for agent in state.agent_states.values():
