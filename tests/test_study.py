@@ -294,6 +294,7 @@ def test_report_names_the_independent_arm_as_the_noise_floor(tmp_path):
         "llama2_7b_gsm8k",
         "smollm2_sentiment_frontier",
         "smollm2_arith_frontier",
+        "smollm2_arith_long",
     ],
 )
 def test_shipped_studies_validate(name):
@@ -428,3 +429,27 @@ def test_a_damaged_study_json_is_one_message_naming_it(tmp_path, damage, said):
     text = " ".join(result.output.split())
     assert "study.json" in text and said in text, text
     assert "Traceback" not in result.output and "internal error" not in text
+
+
+def test_curves_keep_training_and_held_out_figures_apart():
+    """Training curves average the agents' own keys only (an in-training evaluation's
+    eval/llmK/kl is not training KL); held-out curves take the iterations every seed evaluated."""
+    from cory_lora.science.report import curve
+
+    def row(i, kl, eval_kl=None, offtask=None):
+        m = {"iteration": i, "llm1/kl": kl, "llm2/kl": kl + 2}
+        if offtask is not None:
+            m |= {"eval/llm1/kl": eval_kl, "eval/llm1/offtask_kl": offtask}
+            m |= {"eval/llm2/offtask_kl": offtask + 1}
+        return m
+
+    seed_a = [row(1, 1.0), row(2, 3.0, eval_kl=50.0, offtask=0.5), row(3, 5.0)]
+    seed_b = [row(1, 1.0), row(2, 1.0, eval_kl=70.0, offtask=1.5), row(3, 1.0, 0, 9.0), row(4, 1)]
+    x, values = curve([seed_a, seed_b], "kl", smooth=2)
+    assert list(x) == [1, 2, 3]  # the iterations both seeds have
+    # agents' mean 2, 4, 6 (seed a): moving average of 2 with the first value repeated
+    assert values[0].tolist() == [2.0, 3.0, 5.0] and values[1].tolist() == [2.0, 2.0, 2.0]
+    x, values = curve([seed_a, seed_b], "offtask_kl", smooth=2)
+    assert list(x) == [2] and values.tolist() == [[1.0], [2.0]]
+    x, values = curve([seed_a], "distinct_2", smooth=2)
+    assert len(x) == 0 and values.shape == (1, 0)

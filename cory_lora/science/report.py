@@ -399,39 +399,81 @@ def _circle_best(ax, report: dict, part: str) -> None:
         )
 
 
+TRAINING_CURVES = (("task_reward", "task reward"), ("kl", "KL"))
+EVAL_CURVES = (  # collapse over training, where the runs evaluated during it (train.eval_every)
+    ("accuracy", "held-out greedy accuracy"),
+    ("offtask_kl", "off-task KL"),
+    ("distinct_2", "distinct-2 of sampled answers"),
+)
+
+
+def _agents_mean(row: dict, key: str, evaluated: bool) -> float:
+    """The mean over agents of `llmK/key` (training) or `eval/llmK/key`; nan where none."""
+    values = [
+        v
+        for k, v in row.items()
+        if k.endswith(f"/{key}") and k.startswith("eval/") == evaluated and v is not None
+    ]
+    return sum(values) / len(values) if values else math.nan
+
+
+def curve(runs: list[list[dict]], key: str, smooth: int) -> tuple[np.ndarray, np.ndarray]:
+    """(iterations, values [seed, iteration]) of one panel. Training metrics: every iteration
+    the seeds share, as a trailing moving average; held-out ones (EVAL_CURVES): the iterations
+    every seed evaluated at, unsmoothed."""
+    if key not in dict(EVAL_CURVES):
+        length = min(len(rows) for rows in runs)
+        kernel = np.ones(smooth) / smooth
+        curves = []
+        for rows in runs:
+            raw = [_agents_mean(m, key, evaluated=False) for m in rows[:length]]
+            padded = np.pad(raw, (smooth - 1, 0), mode="edge")
+            curves.append(np.convolve(padded, kernel, mode="valid"))
+        return np.arange(1, length + 1), np.asarray(curves).reshape(len(runs), length)
+    at = [{m["iteration"]: _agents_mean(m, key, evaluated=True) for m in rows} for rows in runs]
+    shared = sorted(set.intersection(*({i for i, v in a.items() if not math.isnan(v)} for a in at)))
+    return np.asarray(shared), np.asarray([[a[i] for i in shared] for a in at]).reshape(
+        len(runs), len(shared)
+    )
+
+
 def plot_curves(study_dir: Path, report: dict, out: Path, smooth: int = 10) -> None:
-    """Task reward and KL over iterations per (arm, grid point): mean over seeds, std band."""
+    """Per (arm, grid point), the mean over seeds with a std band: task reward and KL of
+    training and, where the runs evaluated during training, held-out accuracy, off-task KL and
+    distinct-2 at each evaluation (collapse over training, the long-horizon study's figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    study_dir = Path(study_dir)
+    points = [
+        (p["label"], [read_metrics(study_dir / r / "metrics.jsonl") for r in p["runs"]])
+        for p in report["points"]
+        if p["runs"]
+    ]
+    points = [(label, runs) for label, runs in points if all(runs)]
+    panels = list(TRAINING_CURVES) + [
+        (key, title)
+        for key, title in EVAL_CURVES
+        if any(len(curve(runs, key, smooth)[0]) for _, runs in points)
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, p in enumerate(report["points"]):
-        runs = [read_metrics(Path(study_dir) / r / "metrics.jsonl") for r in p["runs"]]
-        if not runs:
-            continue
-        length = min(len(r) for r in runs)
-        for ax, key, title in zip(axes, ("task_reward", "kl"), ("task reward", "KL"), strict=True):
-            curves = []
-            for rows in runs:
-                per_iteration = []
-                for m in rows[:length]:
-                    vals = [v for k, v in m.items() if k.endswith(f"/{key}") and v is not None]
-                    per_iteration.append(sum(vals) / len(vals) if vals else math.nan)
-                kernel = np.ones(smooth) / smooth
-                padded = np.pad(per_iteration, (smooth - 1, 0), mode="edge")
-                curves.append(np.convolve(padded, kernel, mode="valid"))
-            curves = np.asarray(curves)
-            x = np.arange(1, length + 1)
+    for i, (label, runs) in enumerate(points):
+        colour = colours[i % len(colours)]
+        for ax, (key, title) in zip(axes[0], panels, strict=True):
+            x, curves = curve(runs, key, smooth)
+            if not len(x):
+                continue
             mean, std = curves.mean(0), curves.std(0)
-            colour = colours[i % len(colours)]
-            ax.plot(x, mean, color=colour, label=p["label"])
+            marker = "o" if key in dict(EVAL_CURVES) else None
+            ax.plot(x, mean, color=colour, label=label, marker=marker)
             ax.fill_between(x, mean - std, mean + std, color=colour, alpha=0.15)
-            ax.set_title(f"{title} (moving average {smooth}; band: std over seeds)")
+            smoothed = "" if marker else f", moving average {smooth}"
+            ax.set_title(f"{title} (band: std over seeds{smoothed})")
             ax.set_xlabel("iteration")
-    axes[0].legend(fontsize="small")
+    axes[0][0].legend(fontsize="small")
     fig.tight_layout()
     with atomic_file(out) as tmp:
         fig.savefig(tmp, dpi=100)
