@@ -458,11 +458,15 @@ def plot_curves(study_dir: Path, report: dict, out: Path, smooth: int = 10) -> N
         for key, title in EVAL_CURVES
         if any(len(curve(runs, key, smooth)[0]) for _, runs in points)
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False)
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(7.5 * columns, 5 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, runs) in enumerate(points):
         colour = colours[i % len(colours)]
-        for ax, (key, title) in zip(axes[0], panels, strict=True):
+        for ax, (key, title) in zip(axes.flat, panels, strict=False):
             x, curves = curve(runs, key, smooth)
             if not len(x):
                 continue
