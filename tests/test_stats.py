@@ -50,6 +50,7 @@ def test_sign_flip_p_enumerates_every_sign_pattern():
     # observed); the mirror patterns give the other tail: 4 of 16
     assert stats.sign_flip_p([0.1, 0.2, -0.05, 0.3]) == pytest.approx(4 / 16)
     assert stats.sign_flip_p([0.0, 0.0]) == 1.0
+    assert stats.sign_flip_p([0.3]) == 1.0  # one seed: +0.3 and -0.3 are as far from 0
 
 
 def test_paired_difference_over_shared_seeds():

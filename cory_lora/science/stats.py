@@ -62,11 +62,13 @@ def summarise(values: list[float]) -> dict:
 def sign_flip_p(differences: list[float]) -> float | None:
     """Exact two-sided sign-flip permutation p-value of the mean of paired differences: the
     share of the 2^n sign patterns whose mean is at least as far from 0 as the observed one
-    (scipy's two-sided p: twice the smaller tail, at most 1). None for n = 0."""
+    (scipy's two-sided p: twice the smaller tail, at most 1). None for n = 0; 1 for n = 1 (both
+    patterns are as far from 0: a study stopped after one seed of an arm pair, which scipy's
+    permutation test refuses)."""
     d = np.asarray(differences, dtype=float)
     if len(d) == 0:
         return None
-    if not d.any():
+    if len(d) == 1 or not d.any():
         return 1.0
     result = stats.permutation_test(
         (d,),
