@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -110,6 +111,24 @@ def test_a_run_kept_as_records_only_counts_as_done(tmp_path):
     assert run_state(run) == "done"
     (run / "config.toml").write_text("[train\n")  # damaged: not known to be finished
     assert run_state(run) == "fresh"
+
+
+def test_a_stopped_run_resumes_to_the_iterations_the_study_asks_for_now(study_file, tmp_path):
+    """train.iterations is the one key a study may change under a run it has started: a run
+    stopped at a checkpoint continues to the study file's current count, not its saved one."""
+    arm = "[arms.ppo]\ntrain = { algorithm = 'ppo' }\n"
+    out = tmp_path / "study"
+    path = study_file(arm, 'eval_limit = 2\nset = ["train.iterations=2"]')
+    assert invoke("study", str(path), "--output-dir", str(out)).exit_code == 0
+    run = out / "ppo" / "seed-0"
+    (run / "eval.json").unlink()
+    for name in ("final", "checkpoints/iter-000002"):  # as if stopped after iteration 1
+        shutil.rmtree(run / name)
+    path = study_file(arm, 'eval_limit = 2\nset = ["train.iterations=3"]')
+    result = invoke("study", str(path), "--output-dir", str(out))
+    assert result.exit_code == 0, result.output
+    assert [m["iteration"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+    assert (run / "final").is_dir() and (run / "eval.json").is_file()
 
 
 def test_killed_study_resumes_skipping_finished_runs(study_file, tmp_path):

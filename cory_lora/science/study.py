@@ -386,8 +386,11 @@ class StudyRunner:
         out = self.dir / run.relative_dir
         state = run_state(out)
         if state == "resume":
+            # the study's train.iterations, not the saved one: raising it in the study file (or
+            # lowering it to no fewer than the checkpoint holds) is how a stopped run is resized
+            size = _sets((f"train.iterations={run.iterations}",))
             command = cli_command(
-                "resume", out, "--quiet", *_trusted(out), processes=self.study.processes
+                "resume", out, *size, "--quiet", *_trusted(out), processes=self.study.processes
             )
         else:  # never started, or died before its first checkpoint: start it again
             out.parent.mkdir(parents=True, exist_ok=True)
