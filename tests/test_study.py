@@ -120,15 +120,24 @@ def test_a_stopped_run_resumes_to_the_iterations_the_study_asks_for_now(study_fi
     out = tmp_path / "study"
     path = study_file(arm, 'eval_limit = 2\nset = ["train.iterations=2"]')
     assert invoke("study", str(path), "--output-dir", str(out)).exit_code == 0
+    for seed in (0, 1):  # both runs as if stopped after iteration 1
+        (out / "ppo" / f"seed-{seed}" / "eval.json").unlink()
+        for name in ("final", "checkpoints/iter-000002"):
+            shutil.rmtree(out / "ppo" / f"seed-{seed}" / name)
     run = out / "ppo" / "seed-0"
-    (run / "eval.json").unlink()
-    for name in ("final", "checkpoints/iter-000002"):  # as if stopped after iteration 1
-        shutil.rmtree(run / name)
     path = study_file(arm, 'eval_limit = 2\nset = ["train.iterations=3"]')
     result = invoke("study", str(path), "--output-dir", str(out))
     assert result.exit_code == 0, result.output
     assert [m["iteration"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
     assert (run / "final").is_dir() and (run / "eval.json").is_file()
+    # a finished run is not extended (nor silently kept beside longer ones): refused, untouched
+    before = {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    path = study_file(arm, 'eval_limit = 2\nset = ["train.iterations=4"]')
+    result = invoke("study", str(path), "--output-dir", str(out))
+    assert result.exit_code != 0
+    assert "ppo/seed-0 finished at 3 iterations and the study asks for 4" in result.output
+    assert "Traceback" not in result.output
+    assert before == {p: p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 
 def test_killed_study_resumes_skipping_finished_runs(study_file, tmp_path):

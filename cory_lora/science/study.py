@@ -298,6 +298,26 @@ def changed_runs(study_dir: Path, runs: list[Run]) -> list[Problem]:
     return problems
 
 
+def shorter_runs(study_dir: Path, runs: list[Run]) -> list[Problem]:
+    """Finished runs with fewer iterations than the study asks for now (train.iterations raised):
+    one problem each. A run still in progress is resumed to the new count, but a finished one is
+    not extended: its evaluation and report rows would describe the shorter run, and skipping it
+    would mix two lengths in one report."""
+    problems = []
+    for run in runs:
+        out = study_dir / run.relative_dir
+        if run_state(out) == "done" and (done := _iterations_done(out)) < run.iterations:
+            problems.append(
+                Problem(
+                    ("train.iterations",),
+                    f"{run.id} finished at {done} iterations and the study asks for "
+                    f"{run.iterations}; a finished run is not extended: set train.iterations "
+                    "back, or use another --output-dir",
+                )
+            )
+    return problems
+
+
 def run_state(run_dir: Path) -> str:
     """`done` (final adapters written, or the run's records complete: a study kept in a
     repository without its adapters and checkpoints), `resume` (a checkpoint to continue from),
@@ -353,7 +373,7 @@ class StudyRunner:
         """Every run not done yet, one after another, while this process owns the study's
         directory (a second study process on it is refused, naming this one)."""
         with RunLock(self.dir, what="study").acquire(create=True):
-            if problems := changed_runs(self.dir, self.runs):
+            if problems := changed_runs(self.dir, self.runs) + shorter_runs(self.dir, self.runs):
                 raise ConfigError(problems, "the study directory")
             return self._run_all()
 
