@@ -29,8 +29,10 @@ def study_dir_of(run_dir: Path) -> Path | None:
     return None
 
 
-def base_key(recipe, split: str, prompts, sampled: int, ks, n: int, offtask) -> str:
-    """A digest of everything the base row depends on (see the module docstring)."""
+def base_key(split: str, evaluator) -> str:
+    """A digest of everything the base row of `evaluator` (run/heldout.py) on `split` depends on
+    (see the module docstring)."""
+    recipe, prompts, offtask = evaluator.recipe, evaluator.prompts, evaluator.offtask
     settings = {
         "model": recipe.model.model_dump(mode="json"),
         "data": recipe.data.model_dump(mode="json"),
@@ -40,9 +42,9 @@ def base_key(recipe, split: str, prompts, sampled: int, ks, n: int, offtask) -> 
         "seed": recipe.train.seed,
         "split": split,
         "prompts": [prompts.queries, prompts.columns],
-        "sampled": sampled,
-        "ks": list(ks),
-        "n": n,
+        "sampled": len(evaluator.sampled),
+        "ks": list(evaluator.ks),
+        "n": evaluator.n,
         "offtask": None if offtask is None else offtask.queries,
     }
     text = json.dumps(settings, sort_keys=True, default=str)

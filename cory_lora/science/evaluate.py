@@ -105,7 +105,7 @@ def _evaluate(run_dir: Path, split: str | None, limit: int, ks: tuple[int, ...],
         chain = Roles(*agents.names)
         rows += [evaluator.chain(chain.rotated(k)) for k in range(len(agents.names))]
     records = [_record(row) for row in rows]
-    base, cached = _base_row(run_dir, recipe, evaluator, name, ks, n)
+    base, cached = _base_row(run_dir, evaluator, name)
     result = {
         "run": str(run_dir),
         "split": name,
@@ -127,18 +127,17 @@ def _record(row: EvalRow) -> dict:
     return asdict(row) | {"pass_at": {str(k): v for k, v in row.pass_at.items()}}
 
 
-def _base_row(run_dir, recipe, evaluator: Evaluator, split: str, ks, n) -> tuple[dict, bool]:
+def _base_row(run_dir, evaluator: Evaluator, split: str) -> tuple[dict, bool]:
     """The base's row, and whether it came from the study's cache (basecache.py)."""
     study_dir = study_dir_of(run_dir)
     if study_dir is None:
         return _record(evaluator.base()), False
     cache = BaseCache(study_dir)
-    sampled = len(evaluator.sampled)
-    key = base_key(recipe, split, evaluator.prompts, sampled, ks, n, evaluator.offtask)
+    key = base_key(split, evaluator)
     if (row := cache.get(key)) is not None:
         return row, True
     row = _record(evaluator.base())
-    cache.put(key, split, recipe.train.seed, row)
+    cache.put(key, split, evaluator.recipe.train.seed, row)
     return row, False
 
 
