@@ -1,5 +1,5 @@
 """Helpers shared by the tests: paths, files in our formats, the CLI in-process and as a real
-subprocess, and what an agent holds in memory."""
+subprocess, what an agent holds in memory, and one agent scored and updated on its own."""
 
 from __future__ import annotations
 
@@ -12,9 +12,20 @@ from pathlib import Path
 import torch
 from typer.testing import CliRunner
 
+from cory_lora.algorithm.state import AgentState
+from cory_lora.algorithm.update import (
+    AgentUpdate,
+    NonFiniteUpdate,
+    Rollout,
+    ScoringJob,
+    rollout_from,
+    run_updates,
+    score,
+)
 from cory_lora.cli import app
-from cory_lora.config import toml_value
-from cory_lora.engine.model import is_lora_of
+from cory_lora.config import PPOConfig, toml_value
+from cory_lora.engine.generation import Generation
+from cory_lora.engine.model import Agents, is_lora_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,3 +123,42 @@ def learn_alone(agents, name, recipe, agent_state, generation_episode, scores, r
 
     learner = Learner(agents, name, recipe, agent_state, rng)
     return learn([learner], generation_episode, {name: scores}, "test", fused=False)[name]
+
+
+# One agent scored and updated on its own; the loop does a group at once (the tests drive
+# one agent at a time).
+def make_rollout(
+    agents: Agents,
+    name: str,
+    gen: Generation,
+    raw_scores: torch.Tensor,
+    state: AgentState,
+    cfg: PPOConfig,
+    temperature: float,
+    group_size: int = 1,
+) -> Rollout:
+    """Agent `name`'s episodes scored on their own and made a Rollout (`score`, then
+    `rollout_from`)."""
+    job = ScoringJob(name, gen, temperature, cfg.kl_estimator, cfg.advantage == "gae")
+    statistics = score(agents, [job], cfg.micro_batch_size, fused=False)[name]
+    return rollout_from(statistics, gen, raw_scores, state, cfg, group_size)
+
+
+def ppo_update(
+    agents: Agents,
+    name: str,
+    state: AgentState,
+    rollout: Rollout,
+    cfg: PPOConfig,
+    temperature: float,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Agent `name`'s PPO epochs over `rollout` alone. Returns the mean losses and diagnostics
+    (LOSS_KEYS); raises NonFiniteUpdate on NaN/inf (the optimizer has not stepped then, but
+    earlier steps stand: `Learner.update` puts the agent back)."""
+    params = agents.trainable_parameters(name)
+    update = AgentUpdate.start(name, state, rollout, cfg, temperature, params, generator)
+    run_updates(agents, [update], fused=False)
+    if update.failure is not None:
+        raise NonFiniteUpdate(update.failure)
+    return update.losses()

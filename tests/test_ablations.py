@@ -14,13 +14,20 @@ from cory_lora.algorithm import ppo
 from cory_lora.algorithm.cory import Roles, draw_response_length, exchanges_roles_at, roles_at
 from cory_lora.algorithm.elastic import AdapterEMA
 from cory_lora.algorithm.state import new_agent_state
-from cory_lora.algorithm.update import make_rollout, ppo_update
 from cory_lora.config import recipe_from_dict
 from cory_lora.engine.model import load_agents
 from cory_lora.errors import ConfigError
 
 from .conftest import tiny_recipe_dict
-from .helpers import episode_of, invoke, learn_alone, read_jsonl, write_recipe
+from .helpers import (
+    episode_of,
+    invoke,
+    learn_alone,
+    make_rollout,
+    ppo_update,
+    read_jsonl,
+    write_recipe,
+)
 
 
 @pytest.mark.parametrize("estimator", ["full", "k3"])

@@ -8,9 +8,9 @@ import torch
 
 from cory_lora.algorithm.cory import Roles
 from cory_lora.algorithm.state import new_agent_state
-from cory_lora.algorithm.update import make_rollout, ppo_update, sequences
+from cory_lora.algorithm.update import sequences
 
-from .helpers import adapter_state, episode_of
+from .helpers import adapter_state, episode_of, make_rollout, ppo_update
 from .test_generation import PROMPTS, hf_greedy, ours, same_tokens
 
 

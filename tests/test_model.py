@@ -8,13 +8,12 @@ import torch
 
 from cory_lora.algorithm.cory import Roles, play_episode, roles_at
 from cory_lora.algorithm.state import new_agent_state
-from cory_lora.algorithm.update import make_rollout, ppo_update
 from cory_lora.config import greedy
 from cory_lora.engine.data import encode_prompts, format_prompt, load_prompts
 from cory_lora.engine.model import load_agents
 from cory_lora.rewards import load_reward
 
-from .helpers import adapter_state, episode_of, parameter_bytes
+from .helpers import adapter_state, episode_of, make_rollout, parameter_bytes, ppo_update
 
 
 def probe(agents):

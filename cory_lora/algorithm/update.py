@@ -312,23 +312,6 @@ def rollout_from(
     )
 
 
-def make_rollout(
-    agents: Agents,
-    name: str,
-    gen: Generation,
-    raw_scores: torch.Tensor,
-    state: AgentState,
-    cfg: PPOConfig,
-    temperature: float,
-    group_size: int = 1,
-) -> Rollout:
-    """Agent `name`'s episodes scored on their own and made a Rollout (`score`, then
-    `rollout_from`)."""
-    job = ScoringJob(name, gen, temperature, cfg.kl_estimator, cfg.advantage == "gae")
-    statistics = score(agents, [job], cfg.micro_batch_size, fused=False)[name]
-    return rollout_from(statistics, gen, raw_scores, state, cfg, group_size)
-
-
 def _critic_free_advantages(scores, kl, mask, kl_coef: float, cfg: PPOConfig, group_size: int):
     """Each episode's advantage from its group (ppo.group_advantages), on every response token.
     With the KL in the reward (RLOO), beta x the episode's summed per-token KL is subtracted
@@ -569,26 +552,6 @@ def micro_batch_loss(
     return MicroBatchLoss(
         loss, pg_loss, vf, kl_term, skipped, pg.clipped_tokens, pg.approx_kl_sum, logits, mask
     )
-
-
-def ppo_update(
-    agents: Agents,
-    name: str,
-    state: AgentState,
-    rollout: Rollout,
-    cfg: PPOConfig,
-    temperature: float,
-    generator: torch.Generator,
-) -> dict[str, float]:
-    """Agent `name`'s PPO epochs over `rollout` alone. Returns the mean losses and diagnostics
-    (LOSS_KEYS); raises NonFiniteUpdate on NaN/inf (the optimizer has not stepped then, but
-    earlier steps stand: `Learner.update` puts the agent back)."""
-    params = agents.trainable_parameters(name)
-    update = AgentUpdate.start(name, state, rollout, cfg, temperature, params, generator)
-    run_updates(agents, [update], fused=False)
-    if update.failure is not None:
-        raise NonFiniteUpdate(update.failure)
-    return update.losses()
 
 
 class Snapshot:
