@@ -512,6 +512,29 @@ def test_an_unforeseen_error_is_one_message_with_the_traceback_in_a_file(workspa
     path.unlink()
 
 
+def test_a_signal_during_an_import_is_a_stop_not_an_internal_error(workspace, monkeypatch):
+    """transformers' lazy loader re-raises whatever stops an import as a ModuleNotFoundError:
+    a SIGTERM arriving while peft loads (torchrun stopping a rank after another failed) must
+    still read as the stop it is (143), so the launcher names the rank that failed."""
+    import signal
+
+    import cory_lora.run.train
+    from cory_lora.run.interrupts import Terminated
+
+    def stopped_mid_import(*args, **kwargs):
+        try:
+            raise Terminated(signal.SIGTERM)
+        except Terminated as e:
+            raise ModuleNotFoundError("Could not import module 'BloomPreTrainedModel'") from e
+
+    monkeypatch.setattr(cory_lora.run.train, "load_agents", stopped_mid_import)
+    monkeypatch.delenv("CORY_LORA_TRACEBACK")
+    root, recipe = workspace
+    result = invoke("run", recipe(), "--output-dir", root / "run", "--quiet")
+    assert result.exit_code == 128 + signal.SIGTERM
+    assert "internal error" not in result.output and "stopped" in result.output
+
+
 def test_stopped_message_says_whether_a_checkpoint_exists(tmp_path):
     from cory_lora.run.checkpoint import stopped_message
 

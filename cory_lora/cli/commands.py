@@ -143,7 +143,7 @@ def user_errors():
         text = str(e) if str(e).startswith("stopped") else f"stopped: {e}"
         _error(f"[bold yellow]{escape(text)}[/]", e.exit_code)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP (Terminated)
-        _error(f"[bold yellow]stopped{f' ({e})' if str(e) else ''}.[/]", exit_code(e))
+        _stopped(e)
     except RuntimeError as e:
         if (machine := environment_error(e)) is not None:  # torch.save's full disk
             _error(f"[bold red]error:[/] {escape(os_error_message(machine, 'cannot go on'))}", 1)
@@ -197,8 +197,32 @@ def _lost_a_peer(error: RuntimeError) -> bool:
     return isinstance(error, dist.DistError) or any(text in str(error) for text in lost)
 
 
+def _stopped(interrupt: KeyboardInterrupt):
+    _error(
+        f"[bold yellow]stopped{f' ({interrupt})' if str(interrupt) else ''}.[/]",
+        exit_code(interrupt),
+    )
+
+
+def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C or SIGTERM an error was raised from, if any. A signal that arrives while a
+    module is imported comes out of transformers' lazy loader as a ModuleNotFoundError
+    (`raise ... from` it): under torchrun, a rank stopped while loading peft because another
+    rank failed reported an "internal error" and hid the failing rank's message."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _internal_error(e: BaseException):
-    """A bug (or an input not foreseen): say so in one message, keep the traceback in a file."""
+    """A bug (or an input not foreseen): say so in one message, keep the traceback in a file.
+    An error raised from a Ctrl-C or SIGTERM is that stop, not a bug."""
+    if (interrupt := _interrupt_behind(e)) is not None:
+        _stopped(interrupt)
     if os.environ.get("CORY_LORA_TRACEBACK"):
         raise e
     text = "".join(traceback.format_exception(e))
