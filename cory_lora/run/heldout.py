@@ -88,18 +88,30 @@ def offtask_prompts(path: str) -> PromptSet | None:
     return PromptSet(queries, {})
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """n sampled answers per prompt, and the k of the pass@k figures read from them (k <= n)."""
+
+    n: int
+    ks: tuple[int, ...]
+
+
 class Evaluator:
     """`offtask`: measure the off-task KL (train.eval_offtask) in this evaluation; it does not
     depend on the held-out split, so an evaluation of a second split leaves it out."""
 
-    def __init__(self, recipe, agents, reward: Reward, prompts: PromptSet, ks, n, offtask=True):
+    def __init__(
+        self, recipe, agents, reward: Reward, prompts: PromptSet, sampling: Sampling, offtask=True
+    ):
         self.recipe, self.agents, self.reward, self.prompts = recipe, agents, reward, prompts
-        self.ks, self.n = ks, n
+        self.sampling = sampling
         self.stopping = agents.stopping(recipe.generation.stop)
         self.greedy = greedy(recipe)
         limit = recipe.train.eval_sampled_limit or len(prompts)
         self.sampled = prompts.take(list(range(min(limit, len(prompts)))))
-        self.repeated = self.sampled.take([i for i in range(len(self.sampled)) for _ in range(n)])
+        self.repeated = self.sampled.take(
+            [i for i in range(len(self.sampled)) for _ in range(sampling.n)]
+        )
         self.offtask = offtask_prompts(recipe.train.eval_offtask) if offtask else None
 
     def _episode(self, recipe, roles, prompts, reward=None):
@@ -113,10 +125,9 @@ class Evaluator:
         binary = bool(((sampled_rewards == 0) | (sampled_rewards == 1)).all())
         pass_at = {}
         if binary:
-            correct = sampled_rewards.view(len(self.sampled), self.n).sum(1).long().tolist()
-            pass_at = {
-                k: sum(pass_at_k(self.n, c, k) for c in correct) / len(correct) for k in self.ks
-            }
+            n, ks = self.sampling.n, self.sampling.ks
+            correct = sampled_rewards.view(len(self.sampled), n).sum(1).long().tolist()
+            pass_at = {k: sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks}
         accuracy = float(greedy_rewards.mean()) if binary else None
         return EvalRow(
             name,

@@ -59,7 +59,7 @@ from cory_lora.engine.model import Agents, load_agents, load_tokenizer, resolve_
 from cory_lora.errors import UserError
 from cory_lora.rewards import Reward, load_reward
 from cory_lora.run.checkpoint import list_checkpoints, save_checkpoint
-from cory_lora.run.heldout import Evaluator
+from cory_lora.run.heldout import Evaluator, Sampling
 from cory_lora.run.interrupts import GracefulStop, Interrupted
 from cory_lora.run.records import read_metrics
 from cory_lora.run.resume import restore
@@ -196,7 +196,7 @@ def prepare(
     trackers = open_sink(state.iteration) if open_sink and distributed.is_main() else NoSink()
     evaluator = None  # rank 0 alone evaluates (and writes); the others go on to the next batch
     if held_out and distributed.is_main():
-        evaluator = Evaluator(recipe, agents, reward, held_out, ks=(1,), n=1)
+        evaluator = Evaluator(recipe, agents, reward, held_out, Sampling(n=1, ks=(1,)))
     learners = [
         Learner(agents, name, recipe, state.agent_states[name], state.minibatch_rng)
         for name in agents.names

@@ -43,8 +43,8 @@ def base_key(split: str, evaluator) -> str:
         "split": split,
         "prompts": [prompts.queries, prompts.columns],
         "sampled": len(evaluator.sampled),
-        "ks": list(evaluator.ks),
-        "n": evaluator.n,
+        "ks": list(evaluator.sampling.ks),
+        "n": evaluator.sampling.n,
         "offtask": None if offtask is None else offtask.queries,
     }
     text = json.dumps(settings, sort_keys=True, default=str)

@@ -34,7 +34,7 @@ from cory_lora.engine.model import BASE, Agents, load_agents
 from cory_lora.errors import UserError
 from cory_lora.rewards import Reward, load_reward
 from cory_lora.run.atomic import atomic_write_text
-from cory_lora.run.heldout import EvalRow, Evaluator
+from cory_lora.run.heldout import EvalRow, Evaluator, Sampling
 from cory_lora.run.lock import RunLock
 from cory_lora.science.basecache import BaseCache, base_key, study_dir_of
 from cory_lora.science.study import eval_file_name
@@ -99,7 +99,7 @@ def _evaluate(run_dir: Path, split: str | None, limit: int, ks: tuple[int, ...],
     started = time.perf_counter()
     path = eval_file(run_dir, name, default=_default_split(recipe))
     offtask = path.name == "eval.json"  # the run's own split: not again for each split
-    evaluator = Evaluator(recipe, agents, reward, prompts, ks, n, offtask)
+    evaluator = Evaluator(recipe, agents, reward, prompts, Sampling(n, ks), offtask)
     rows = [evaluator.alone(name) for name in agents.names]
     if len(agents.names) > 1:  # the chain in each of the orders training rotates through
         chain = Roles(*agents.names)
